@@ -1,0 +1,84 @@
+"""``pinpool``: the command line. ``pinpool bench`` runs every registered workload."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import structlog
+import torch
+
+from pinpool.benchkit import BenchContext, Table
+
+Workload = Callable[[BenchContext], list[Table]]
+
+
+def registered_workloads() -> dict[str, Workload]:
+    found = {ep.name: ep for ep in entry_points(group="pinpool.bench")}
+    if not found:  # running from a source tree that was never installed
+        from pinpool.bench import workload
+
+        return {"staging": workload}
+    return {name: ep.load() for name, ep in sorted(found.items())}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers (got {text!r})") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1 (got {text!r})")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pinpool", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="run the benchmarks on the device found (or --device)")
+    bench.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    bench.add_argument("--batch-sizes", type=_ints, default=(1, 64, 256, 1024, 4096), help="e.g. 1,64,256")
+    bench.add_argument("--iters", type=int, default=200, help="timed calls per block")
+    bench.add_argument("--repeats", type=int, default=5, help="blocks; the median block is reported")
+    bench.add_argument("--workloads", default=None, help="comma-separated subset of the registered workloads")
+    bench.add_argument("--json", type=Path, default=None, help="also write the tables as JSON to this file")
+    bench.add_argument("--quiet", action="store_true", help="no progress lines")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Tables own stdout; the library's events go to stderr, warnings and up.
+    structlog.configure(
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+    )
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ctx = BenchContext(device, args.batch_sizes, args.iters, args.repeats, verbose=not args.quiet)
+    workloads = registered_workloads()
+    chosen = list(workloads) if args.workloads is None else args.workloads.split(",")
+    unknown = [w for w in chosen if w not in workloads]
+    if unknown:
+        print(f"unknown workload(s) {unknown}; registered: {sorted(workloads)}", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"pinpool bench on {device} ({name}), torch {torch.__version__}")
+    tables: list[Table] = []
+    for workload in chosen:
+        for table in workloads[workload](ctx):
+            tables.append(table)
+            print(table.render(), flush=True)
+    if args.json is not None:
+        payload = {"device": str(device), "device_name": name, "torch": torch.__version__,
+                   "tables": [t.as_json() for t in tables]}
+        args.json.write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

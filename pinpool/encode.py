@@ -1,0 +1,168 @@
+"""Writing user values straight into a pinned host view, exactly or not at all.
+
+A value is converted into the slot's own memory (one numpy assignment), never through an
+intermediate torch tensor. Conversions that would change a value (1.5 into int32, 2**40
+into int32, NaN into an integer, 1e39 into float32) raise instead: a scheduler bug must
+not become a silently wrong sampling parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from pinpool.exceptions import DeviceMismatchError, StagingTypeError, StagingValueError
+
+#: torch dtype -> numpy dtype of the host view. bfloat16 has no numpy twin and is
+#: written through torch instead.
+NUMPY_DTYPE: dict[torch.dtype, np.dtype[Any]] = {
+    torch.bool: np.dtype(np.bool_),
+    torch.uint8: np.dtype(np.uint8),
+    torch.int8: np.dtype(np.int8),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+    torch.float16: np.dtype(np.float16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+}
+SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset([*NUMPY_DTYPE, torch.bfloat16])
+_INT_RANGE = {d: (int(np.iinfo(d).min), int(np.iinfo(d).max)) for d in NUMPY_DTYPE.values() if d.kind in "iu"}
+TORCH_DTYPE: dict[np.dtype[Any], torch.dtype] = {v: k for k, v in NUMPY_DTYPE.items()}
+
+
+def check_dtype(dtype: Any, name: str) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype) or dtype not in SUPPORTED_DTYPES:
+        allowed = ", ".join(sorted(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES))
+        raise StagingTypeError(f"'{name}' dtype must be one of {allowed} (got {dtype!r})")
+    return dtype
+
+
+def as_source(values: Any, dtype: torch.dtype | None, name: str) -> tuple[Any, torch.dtype, tuple[int, ...]]:
+    """Normalise ``values`` to (source, dtype, shape) without copying it anywhere yet.
+
+    The source is a numpy array, a CPU torch tensor (bfloat16 only), or a flat Python
+    sequence that the float fast path can assign directly.
+    """
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise DeviceMismatchError(
+                f"'{name}' must be a CPU tensor (got one on {values.device}); device data needs no staging"
+            )
+        target = check_dtype(values.dtype if dtype is None else dtype, name)
+        src = values.detach()
+        if src.dtype in NUMPY_DTYPE:
+            return src.numpy(), target, tuple(src.shape)
+        return src, target, tuple(src.shape)
+    if isinstance(values, np.ndarray):
+        target = check_dtype(TORCH_DTYPE.get(values.dtype) if dtype is None else dtype, name)
+        return values, target, values.shape
+    if isinstance(values, (bytes, bytearray, memoryview)):
+        target = check_dtype(torch.uint8 if dtype is None else dtype, name)
+        np_dtype = NUMPY_DTYPE.get(target)
+        raw = memoryview(values).cast("B")
+        itemsize = torch.empty((), dtype=target).element_size()
+        if np_dtype is None or len(raw) % itemsize:
+            raise StagingValueError(
+                f"'{name}' bytes must be a whole number of {target} elements ({itemsize} bytes each) (got {len(raw)})"
+            )
+        arr = np.frombuffer(raw, dtype=np_dtype)
+        return arr, target, arr.shape
+    if dtype is None:
+        raise StagingTypeError(f"'{name}' needs an explicit dtype for a {type(values).__name__} value")
+    target = check_dtype(dtype, name)
+    if isinstance(values, Sequence) and not isinstance(values, str):
+        if len(values) and isinstance(values[0], (list, tuple, np.ndarray)):
+            arr = _from_python(values, target, name)
+            return arr, target, arr.shape
+        return values, target, (len(values),)
+    if isinstance(values, (int, float, bool, np.generic)):
+        return [values], target, ()
+    raise StagingTypeError(
+        f"'{name}' must be a list, tuple, numpy array, CPU tensor or bytes-like object (got {type(values).__name__})"
+    )
+
+
+def _from_python(values: Any, target: torch.dtype, name: str) -> np.ndarray[Any, Any]:
+    try:
+        return np.asarray(values)
+    except (ValueError, TypeError) as exc:
+        raise StagingValueError(f"'{name}' must be a rectangular array of numbers ({exc})") from exc
+
+
+def write(dst: np.ndarray[Any, Any] | torch.Tensor, src: Any, target: torch.dtype, name: str) -> None:
+    """Write ``src`` into the flat host view ``dst`` (numel already matched) or raise."""
+    if target is torch.bfloat16:
+        _write_bf16(dst, src, name)
+        return
+    assert isinstance(dst, np.ndarray)
+    if isinstance(src, np.ndarray):
+        _write_array(dst, src, name)
+        return
+    # A flat Python sequence, parsed by numpy in C straight into the slot.
+    kind = dst.dtype.kind
+    try:
+        if kind == "f":
+            dst[:] = src
+            # Narrowing can overflow to inf silently; a legit inf is re-checked exactly.
+            if dst.dtype.itemsize < 8 and not np.isfinite(dst).all():
+                _check_float_range(np.asarray(src, dtype=np.float64), dst.dtype, name)
+            return
+    except (ValueError, TypeError) as exc:
+        raise StagingValueError(f"'{name}' must hold only numbers ({exc})") from exc
+    # Integers and bools: numpy would truncate 1.5 and wrap bools silently, so parse
+    # first (int64 for plain ints) and check what narrowing would change.
+    _write_array(dst, _from_python(src, target, name), name)
+
+
+def _write_array(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], name: str) -> None:
+    flat = src.reshape(-1)
+    if flat.dtype == dst.dtype or (flat.dtype.kind == dst.dtype.kind == "i" and flat.dtype.itemsize <= dst.dtype.itemsize):
+        np.copyto(dst, flat)
+        return
+    kind, want = flat.dtype.kind, dst.dtype
+    if kind not in "biuf":
+        raise StagingTypeError(f"'{name}' must hold numbers (got numpy dtype {flat.dtype})")
+    if want.kind in "iu":
+        if kind == "f":
+            finite = np.isfinite(flat)
+            if not finite.all():
+                raise StagingValueError(f"'{name}' must be finite for {want} (got {flat[~finite][0]})")
+            if not (flat == np.trunc(flat)).all():
+                bad = flat[flat != np.trunc(flat)][0]
+                raise StagingValueError(f"'{name}' must hold whole numbers for {want} (got {bad})")
+        if kind != "b" and flat.size and not np.can_cast(flat.dtype, want):
+            lo, hi = _INT_RANGE[want]
+            if flat.min() < lo or flat.max() > hi:
+                bad = flat[(flat < lo) | (flat > hi)][0]
+                raise StagingValueError(f"'{name}' must fit {want} [{lo}, {hi}] (got {bad})")
+    elif want.kind == "b":
+        if kind != "b" and not ((flat == 0) | (flat == 1)).all():
+            raise StagingValueError(f"'{name}' must hold only 0/1 for bool (got {flat[(flat != 0) & (flat != 1)][0]})")
+    elif want.kind == "f" and kind == "f" and want.itemsize < flat.dtype.itemsize:
+        _check_float_range(flat, want, name)
+    np.copyto(dst, flat, casting="unsafe")
+
+
+def _check_float_range(src: np.ndarray[Any, Any], want: np.dtype[Any], name: str) -> None:
+    finite = np.isfinite(src)
+    limit = np.finfo(want).max
+    over = finite & (np.abs(src) > limit)
+    if over.any():
+        raise StagingValueError(f"'{name}' must fit {want} (|x| <= {limit:.4g}) (got {src[over][0]})")
+
+
+def _write_bf16(dst: np.ndarray[Any, Any] | torch.Tensor, src: Any, name: str) -> None:
+    assert isinstance(dst, torch.Tensor)
+    try:
+        value = src if isinstance(src, torch.Tensor) else torch.as_tensor(np.asarray(src))
+    except (ValueError, TypeError) as exc:
+        raise StagingValueError(f"'{name}' must hold only numbers ({exc})") from exc
+    if not (value.is_floating_point() or value.dtype in (torch.bool, torch.int8, torch.uint8, torch.int16)):
+        value64 = value.to(torch.float64)
+        if not torch.equal(value64.to(torch.bfloat16).to(torch.float64), value64):
+            raise StagingValueError(f"'{name}' integers must be exact in bfloat16")
+    dst.copy_(value.reshape(-1))

@@ -1,0 +1,269 @@
+"""``PinnedRingBuffer``: persistent pinned host slots, their device mirror, one fence each.
+
+Everything is allocated in ``__init__``; staging afterwards allocates nothing (design
+invariant 4). A stage claims the next slot, takes values into its pinned region, and on
+exit issues one copy of the used bytes and records the slot's fence.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import attrs
+import torch
+
+from pinpool.encode import NUMPY_DTYPE, write
+from pinpool.exceptions import DeviceMismatchError, PoolStateError, ThreadOwnershipError
+from pinpool.log import get_logger
+from pinpool.settings import PoolSettings
+from pinpool.stage import Stage
+from pinpool.stats import Counters, PoolStats
+from pinpool.transport import Fence, Stream, Transport, transport_for
+
+_log = get_logger("pinpool")
+_POISON_BYTE = 0xFF  # NaN in every float dtype, -1 in every signed int dtype
+
+
+class PinnedRingBuffer:
+    """A ring of ``num_slots`` reusable staging slots for one device.
+
+    One pool per worker process and device; it is not thread-safe (``debug=True``
+    enforces that it is only used from the thread that created it).
+    """
+
+    def __init__(self, settings: PoolSettings | None = None, *, transport: Transport | None = None) -> None:
+        self.settings = settings if settings is not None else PoolSettings()
+        self._transport = transport if transport is not None else transport_for(self.settings.device)
+        if self._transport.device != self.settings.device:
+            raise DeviceMismatchError(
+                f"'transport' must serve the settings' device {self.settings.device} (got {self._transport.device})"
+            )
+        slot_bytes, num_slots = self.settings.slot_bytes, self.settings.num_slots
+        self.host_slab = self._transport.alloc_host(slot_bytes * num_slots)
+        self.device_mirror = self._transport.alloc_device(slot_bytes * num_slots)
+        self._host_slots = [self.host_slab[i * slot_bytes : (i + 1) * slot_bytes] for i in range(num_slots)]
+        self._device_slots = [self.device_mirror[i * slot_bytes : (i + 1) * slot_bytes] for i in range(num_slots)]
+        # Typed views per slot and dtype, built once, so a put is one slice per side.
+        host_np = self.host_slab.numpy()
+        self._host_views: list[dict[torch.dtype, Any]] = []
+        self._device_views: list[dict[torch.dtype, torch.Tensor]] = []
+        for i in range(num_slots):
+            raw_np = host_np[i * slot_bytes : (i + 1) * slot_bytes]
+            host = {d: raw_np.view(n) for d, n in NUMPY_DTYPE.items()}
+            host[torch.bfloat16] = self._host_slots[i].view(torch.bfloat16)
+            self._host_views.append(host)
+            self._device_views.append({d: self._device_slots[i].view(d) for d in host})
+        self._fences: list[Fence] = [self._transport.new_fence() for _ in range(num_slots)]
+        self._retained: list[list[Any]] = [[] for _ in range(num_slots)]
+        self._slot_generation = [0] * num_slots
+        self._consumers: list[tuple[Stream, list[Fence]]] = []
+        self._next_slot = 0
+        self._generation = 0
+        self._open: Stage | None = None
+        self._closed = False
+        self._owner_thread = threading.get_ident()
+        self._counters = Counters(host_allocations=1, device_allocations=1)
+        _log.info(
+            "pool.created",
+            device=str(self.settings.device),
+            num_slots=num_slots,
+            slot_bytes=slot_bytes,
+            total_bytes=self.settings.total_bytes,
+            pinned=self._transport.pinned,
+        )
+
+    # -- public API --------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.settings.device
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stage(
+        self, *, stream: Stream | None = None, owned_bytes: int | None = None, owned: torch.Tensor | None = None
+    ) -> Stage:
+        """Open a stage in the next slot; use as ``with pool.stage() as st:``.
+
+        ``stream``: where the copy goes (default: the current stream of the pool's device).
+        ``owned_bytes`` / ``owned``: copy into consumer-owned device memory instead of the
+        ring mirror (design invariant 5), for data that outlives ``num_slots`` stages.
+        """
+        self._check_usable()
+        if stream is not None:
+            self._transport.check_stream(stream)
+        owned_device = self._owned_buffer(owned_bytes, owned)
+        slot = self._next_slot
+        fence = self._fences[slot]
+        # Invariant 1: the host region may still feed a pending copy. Wait for the slot's
+        # fence: bounded, and only when the GPU is num_slots stages behind.
+        if not fence.query():
+            self._stall(slot, fence)
+        if self._retained[slot]:
+            # Invariant 6: the fence has passed, so the kernels that read these are done.
+            self._retained[slot].clear()
+        if owned_device is None:
+            self._guard_device_region(slot, stream)
+        self._generation += 1
+        self._slot_generation[slot] = self._generation
+        st = Stage(self, slot, self._generation, stream, owned_device)
+        self._open = st
+        return st
+
+    def register_consumer_stream(self, stream: Stream) -> None:
+        """Protect staged slices read on ``stream`` (design invariant 2).
+
+        Before a slot's device region is overwritten, the staging stream waits on the
+        device for all work queued on ``stream`` so far: never a host wait.
+        """
+        self._check_usable()
+        self._transport.check_stream(stream)
+        if any(s is stream for s, _ in self._consumers):
+            return
+        fences = [self._transport.new_fence() for _ in range(self.settings.num_slots)]
+        self._consumers.append((stream, fences))
+        _log.info("consumer.registered", device=str(self.device), consumers=len(self._consumers))
+
+    def stats(self) -> PoolStats:
+        return PoolStats.of(self._counters)
+
+    def close(self) -> None:
+        """Wait for every in-flight copy, then drop the memory. A second call is a no-op."""
+        if self._closed:
+            return
+        if self._open is not None:
+            raise PoolStateError("close() called inside an open stage: finish the stage first")
+        for fence in self._fences:
+            fence.synchronize()  # sync-ok: teardown, once per pool; copies must finish before free
+        self._closed = True
+        self._retained = [[] for _ in self._retained]
+        _log.info("pool.closed", device=str(self.device), **attrs.asdict(self._counters))
+
+    def __enter__(self) -> PinnedRingBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- used by Stage -----------------------------------------------------------------
+    def _copy(self, st: Stage) -> None:
+        nbytes = st.used_bytes
+        if nbytes == 0:
+            return
+        dst = st._owned_device if st._owned_device is not None else self._device_slots[st.slot]
+        # Invariant 3: one contiguous byte range of the slot, one copy.
+        self._transport.copy(dst[:nbytes], self._host_slots[st.slot][:nbytes], st.stream)
+        counters = self._counters
+        counters.copies += 1
+        counters.bytes_copied += nbytes
+
+    def _finish(self, st: Stage, ok: bool) -> None:
+        if not st._open:
+            return
+        st._open = False
+        self._open = None
+        counters = self._counters
+        if not ok and not st.spilled:
+            # Nothing was copied, so the slot's last fence (already passed) still guards
+            # it: hand the same slot to the next stage. Its generation moves on, so views
+            # from this stage read as stale.
+            counters.aborted_stages += 1
+            _log.debug("stage.aborted", slot=st.slot, generation=st.generation)
+            return
+        if ok and not st.flushed:
+            self._copy(st)
+        if st.used_bytes == 0 and not st.spilled:
+            counters.stages += 1
+            return
+        self._fences[st.slot].record(st.stream)
+        self._next_slot = (st.slot + 1) % self.settings.num_slots
+        counters.stages += 1
+        if st.owned:
+            counters.owned_stages += 1
+        if not ok:
+            counters.aborted_stages += 1
+
+    def _spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * itemsize
+        host = self._transport.alloc_host(nbytes)
+        write(host.numpy().view(NUMPY_DTYPE[dtype]) if dtype in NUMPY_DTYPE else host.view(dtype), src, dtype, name)
+        device = self._transport.alloc_device(nbytes)
+        self._transport.copy(device, host, st.stream)
+        # The one-off pinned buffer must outlive its copy: retain it with the slot.
+        self._retained[st.slot].append(host)
+        st.spilled = True
+        counters = self._counters
+        counters.overflows += 1
+        counters.host_allocations += 1
+        counters.device_allocations += 1
+        counters.copies += 1
+        counters.bytes_copied += nbytes
+        _log.warning(
+            "stage.overflow",
+            field=name,
+            nbytes=nbytes,
+            slot_bytes=self.settings.slot_bytes,
+            overflows=counters.overflows,
+        )
+        return device.view(dtype)
+
+    # -- internals ---------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise PoolStateError("the pool is closed: create a new PinnedRingBuffer")
+        if self._open is not None:
+            raise PoolStateError(
+                f"stage() called inside open stage {self._open.generation}: finish it before opening another"
+            )
+        if self.settings.debug and threading.get_ident() != self._owner_thread:
+            raise ThreadOwnershipError(
+                "a PinnedRingBuffer must be used only from the thread that created it "
+                f"(owner {self._owner_thread}, caller {threading.get_ident()}); create one pool per worker"
+            )
+
+    def _owned_buffer(self, owned_bytes: int | None, owned: torch.Tensor | None) -> torch.Tensor | None:
+        if owned is not None:
+            if owned_bytes is not None:
+                raise PoolStateError("pass either 'owned' or 'owned_bytes', not both")
+            if owned.device != self.device:
+                raise DeviceMismatchError(f"'owned' must be on the pool's device {self.device} (got {owned.device})")
+            if owned.dtype != torch.uint8 or owned.dim() != 1 or not owned.is_contiguous():
+                raise PoolStateError(
+                    f"'owned' must be a contiguous 1-D uint8 tensor (got {owned.dtype} of shape {tuple(owned.shape)})"
+                )
+            return owned
+        if owned_bytes is None:
+            return None
+        if isinstance(owned_bytes, bool) or not isinstance(owned_bytes, int) or owned_bytes < 1:
+            raise PoolStateError(f"'owned_bytes' must be an int >= 1 (got {owned_bytes!r})")
+        align = self.settings.alignment
+        self._counters.device_allocations += 1
+        return self._transport.alloc_device((owned_bytes + align - 1) // align * align)
+
+    def _guard_device_region(self, slot: int, stream: Stream | None) -> None:
+        # Invariant 2: on the staging stream, stream order already puts this stage's copy
+        # after every earlier kernel that read the slot. Registered consumer streams get a
+        # device-side wait: their queued work must finish before the region is overwritten.
+        for consumer, fences in self._consumers:
+            if consumer is stream:
+                continue
+            fences[slot].record(consumer)
+            self._transport.stream_wait(stream, fences[slot])
+        if self.settings.debug:
+            # Poison the recycled region so a stale raw view reads NaN / -1, not old data.
+            self._transport.fill(self._device_slots[slot], _POISON_BYTE, stream)
+
+    def _stall(self, slot: int, fence: Fence) -> None:
+        start = time.perf_counter()
+        fence.synchronize()  # sync-ok: invariant 1, bounded; only when the GPU is num_slots stages behind
+        waited = time.perf_counter() - start
+        counters = self._counters
+        counters.stalls += 1
+        counters.stall_seconds += waited
+        counters.max_stall_seconds = max(counters.max_stall_seconds, waited)
+        if self.settings.log_stalls:
+            _log.warning("slot.stall", slot=slot, seconds=waited, stalls=counters.stalls)

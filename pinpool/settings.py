@@ -1,0 +1,139 @@
+"""``PoolSettings``: the one frozen, validated configuration of a ``PinnedRingBuffer``."""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from pinpool.exceptions import SettingsError
+
+ENV_PREFIX = "PINPOOL_"
+
+
+class OverflowPolicy(enum.Enum):
+    """What ``put`` does when a value does not fit the rest of its slot."""
+
+    #: Raise ``CapacityError`` before anything is written (the default: a silent
+    #: fallback would hide a mis-sized pool).
+    RAISE = "raise"
+    #: Stage that value through a one-off pinned buffer and a second copy, log
+    #: ``stage.overflow`` and count it. Correct, but allocates: for bursts only.
+    SPILL = "spill"
+
+
+def _positive_power_of_two(instance: Any, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise SettingsError(f"'{attribute.name}' must be a power of two >= 1 (got {value!r})")
+
+
+def _at_least(minimum: int) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute[int], value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise SettingsError(f"'{attribute.name}' must be an int >= {minimum} (got {value!r})")
+
+    return check
+
+
+def _to_device(value: str | torch.device) -> torch.device:
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise SettingsError(f"'device' must name a torch device such as 'cuda:0' or 'cpu' (got {value!r})") from exc
+    if device.type == "cuda" and device.index is None:
+        # Pin the index now: events, streams and the mirror must all agree on one device
+        # even if the caller changes the current device later.
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        device = torch.device("cuda", index)
+    return device
+
+
+def _to_policy(value: str | OverflowPolicy) -> OverflowPolicy:
+    if isinstance(value, OverflowPolicy):
+        return value
+    try:
+        return OverflowPolicy(value)
+    except ValueError as exc:
+        allowed = ", ".join(p.value for p in OverflowPolicy)
+        raise SettingsError(f"'overflow' must be one of {allowed} (got {value!r})") from exc
+
+
+@attrs.frozen(kw_only=True)
+class PoolSettings:
+    """How big the ring is, where its mirror lives, and how strict it is.
+
+    ``num_slots`` must be at least the number of stages the GPU may lag behind the host
+    (the in-flight depth): a shallower ring makes the host wait on slot events.
+    """
+
+    #: Where the mirror lives. The default is the current CUDA device when there is one,
+    #: else the CPU (design invariant 7: same API, plain memory, no events).
+    device: torch.device = attrs.field(
+        default=attrs.Factory(lambda: "cuda" if torch.cuda.is_available() else "cpu"), converter=_to_device
+    )
+    #: Bytes per slot: the most one stage can carry. Rounded views need it to be a
+    #: multiple of ``alignment``.
+    slot_bytes: int = attrs.field(default=1 << 20, validator=_at_least(64))
+    num_slots: int = attrs.field(default=4, validator=_at_least(2))
+    #: Every put starts on this boundary so that any dtype view (up to 8-byte
+    #: elements) and vectorised kernel loads stay aligned.
+    alignment: int = attrs.field(default=16, validator=_positive_power_of_two)
+    overflow: OverflowPolicy = attrs.field(default=OverflowPolicy.RAISE, converter=_to_policy)
+    #: Debug switches: thread ownership and lease-generation checks, and poisoning of a
+    #: recycled slot's device region (0xFF: NaN for floats, -1 for ints).
+    debug: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    #: Log ``slot.stall`` for every host wait on a slot event (off by default: a lagging
+    #: GPU would flood the log; the stats count stalls either way).
+    log_stalls: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    def __attrs_post_init__(self) -> None:
+        if self.alignment < 8:
+            raise SettingsError(f"'alignment' must be >= 8 so 8-byte dtypes stay aligned (got {self.alignment})")
+        if self.slot_bytes % self.alignment:
+            raise SettingsError(
+                f"'slot_bytes' must be a multiple of 'alignment' ({self.alignment}) (got {self.slot_bytes})"
+            )
+
+    @property
+    def total_bytes(self) -> int:
+        """Pinned host bytes (and as many device bytes) the pool allocates once."""
+        return self.slot_bytes * self.num_slots
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> PoolSettings:
+        """Build settings from ``PINPOOL_*`` variables; keyword overrides win.
+
+        Read here and nowhere else: ``PINPOOL_DEVICE``, ``PINPOOL_SLOT_BYTES``,
+        ``PINPOOL_NUM_SLOTS``, ``PINPOOL_ALIGNMENT``, ``PINPOOL_OVERFLOW``,
+        ``PINPOOL_DEBUG``, ``PINPOOL_LOG_STALLS``.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in attrs.fields(cls):
+            raw = env.get(ENV_PREFIX + field.name.upper())
+            if raw is None:
+                continue
+            values[field.name] = _parse_env(field.name, raw, field.type)
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse_env(name: str, raw: str, kind: Any) -> Any:
+    var = ENV_PREFIX + name.upper()
+    if kind in ("int", int):
+        try:
+            return int(raw, 0)
+        except ValueError as exc:
+            raise SettingsError(f"'{var}' must be an integer (got {raw!r})") from exc
+    if kind in ("bool", bool):
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off", ""):
+            return False
+        raise SettingsError(f"'{var}' must be one of 1/0/true/false/yes/no/on/off (got {raw!r})")
+    return raw

@@ -1,0 +1,190 @@
+"""``Stage``: one open batch in one slot, and the lease on what it staged.
+
+Values are written into the slot's pinned host region as they arrive; the matching
+device views are handed back at once, and the data lands there with the stage's single
+copy (issued by ``flush()`` or on exit). Device views of a ring stage stay valid until
+the slot is recycled ``num_slots`` stages later; ``is_live`` / ``check_live`` say
+whether that has happened.
+"""
+
+from __future__ import annotations
+
+import math
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from pinpool.encode import NUMPY_DTYPE, as_source, check_dtype, write
+from pinpool.exceptions import CapacityError, PoolStateError, StaleLeaseError
+from pinpool.settings import OverflowPolicy
+from pinpool.transport import Stream
+
+if TYPE_CHECKING:
+    from pinpool.ring import PinnedRingBuffer
+
+_ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in [*NUMPY_DTYPE, torch.bfloat16]}
+_NESTED = (list, tuple, np.ndarray)
+
+
+class Stage:
+    """An open stage: ``put`` / ``reserve`` values, then one copy on exit."""
+
+    __slots__ = (
+        "_pool", "slot", "generation", "stream", "_host_views", "_device_views", "_owned_device",
+        "_capacity", "_cursor", "_end", "_open", "flushed", "spilled",
+    )
+
+    def __init__(
+        self,
+        pool: PinnedRingBuffer,
+        slot: int,
+        generation: int,
+        stream: Stream | None,
+        owned_device: torch.Tensor | None,
+    ) -> None:
+        self._pool = pool
+        self.slot = slot
+        self.generation = generation
+        self.stream = stream
+        self._host_views = pool._host_views[slot]
+        self._owned_device = owned_device
+        if owned_device is None:
+            self._device_views = pool._device_views[slot]
+            self._capacity = pool.settings.slot_bytes
+        else:
+            self._device_views = {}
+            self._capacity = min(pool.settings.slot_bytes, owned_device.numel())
+        self._cursor = 0
+        self._end = 0
+        self._open = True
+        self.flushed = False
+        self.spilled = False
+
+    # -- context manager ---------------------------------------------------------------
+    def __enter__(self) -> Stage:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._pool._finish(self, ok=exc_type is None)
+
+    def close(self, ok: bool = True) -> None:
+        """Finish a stage opened without ``with``: copy (if ``ok``) and record the fence."""
+        self._pool._finish(self, ok=ok)
+
+    # -- staging -----------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return self._end
+
+    @property
+    def owned(self) -> bool:
+        return self._owned_device is not None
+
+    def put(self, values: Any, dtype: torch.dtype | None = None, *, name: str = "values") -> torch.Tensor:
+        """Write ``values`` into the slot and return the device tensor they will land in.
+
+        Accepts lists/tuples/scalars (``dtype`` required), numpy arrays, CPU tensors and
+        bytes-like objects. The value is converted exactly or a typed error is raised
+        before the stage advances.
+        """
+        if not self._open or self.flushed:
+            self._check_open()
+        if type(values) is list and dtype in _ITEMSIZE and not (values and type(values[0]) in _NESTED):
+            # Hot path (a scheduler's per-request list): no normalisation step.
+            numel, src, target, shape = len(values), values, dtype, None
+        else:
+            src, target, shape = as_source(values, dtype, name)
+            numel = math.prod(shape)
+        host, device = self._claim(numel, target, name, src)
+        if host is not None:
+            write(host, src, target, name)
+            self._commit_claim(numel, target)
+        return device if shape is None or len(shape) == 1 else device.view(shape)
+
+    def reserve(
+        self, numel: int, dtype: torch.dtype, *, name: str = "values"
+    ) -> tuple[np.ndarray[Any, Any] | torch.Tensor, torch.Tensor]:
+        """Claim ``numel`` elements: (host view to fill in place, device view they land in).
+
+        For callers that pack records themselves. The host view is valid only until the
+        stage's copy is issued; writing it later corrupts nothing but is lost.
+        """
+        self._check_open()
+        target = check_dtype(dtype, name)
+        host, device = self._claim(numel, target, name, None)
+        if host is None:  # spilled: hand out the spill buffer's own host view
+            raise CapacityError(self._capacity_message(numel * _ITEMSIZE[target], name))
+        self._commit_claim(numel, target)
+        return host, device
+
+    def retain(self, *objs: Any) -> None:
+        """Keep ``objs`` alive until this slot's fence has passed (design invariant 6).
+
+        The fence is recorded on exit, after any kernel launched between ``flush()``
+        and exit, so a tensor whose address was staged outlives that kernel.
+        """
+        self._check_open()
+        self._pool._retained[self.slot].extend(objs)
+
+    def flush(self) -> None:
+        """Issue the stage's one copy now, leaving the stage open for kernel launches."""
+        self._check_open()
+        if not self.flushed:
+            self._pool._copy(self)
+            self.flushed = True
+
+    # -- lease -------------------------------------------------------------------------
+    @property
+    def is_live(self) -> bool:
+        """False once the slot has been recycled: ring views then hold other data."""
+        return self.owned or self._pool._slot_generation[self.slot] == self.generation
+
+    def check_live(self, what: str = "staged slice") -> None:
+        if not self.is_live:
+            raise StaleLeaseError(
+                f"{what} of stage {self.generation} (slot {self.slot}) was used after the slot was "
+                f"recycled by stage {self._pool._slot_generation[self.slot]}; use an owned stage "
+                "(pool.stage(owned_bytes=...)) for data that outlives num_slots stages"
+            )
+
+    # -- internals ---------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if not self._open:
+            raise PoolStateError("this stage is closed: open a new one with pool.stage()")
+        if self.flushed:
+            raise PoolStateError("this stage was flushed: its copy is issued, so nothing more can be put")
+
+    def _claim(
+        self, numel: int, dtype: torch.dtype, name: str, src: Any
+    ) -> tuple[np.ndarray[Any, Any] | torch.Tensor | None, torch.Tensor]:
+        itemsize = _ITEMSIZE[dtype]
+        start = self._cursor
+        if start + numel * itemsize > self._capacity:
+            if self._pool.settings.overflow is OverflowPolicy.SPILL and src is not None:
+                return None, self._pool._spill(self, src, dtype, numel, name)
+            raise CapacityError(self._capacity_message(numel * itemsize, name))
+        first = start // itemsize
+        host = self._host_views[dtype][first : first + numel]
+        views = self._device_views.get(dtype)
+        if views is None:
+            assert self._owned_device is not None
+            usable = self._owned_device.numel() // itemsize * itemsize
+            views = self._device_views[dtype] = self._owned_device[:usable].view(dtype)
+        return host, views[first : first + numel]
+
+    def _commit_claim(self, numel: int, dtype: torch.dtype) -> None:
+        self._end = self._cursor + numel * _ITEMSIZE[dtype]
+        align = self._pool.settings.alignment
+        self._cursor = (self._end + align - 1) // align * align
+
+    def _capacity_message(self, nbytes: int, name: str) -> str:
+        limit = "owned buffer" if self.owned and self._capacity < self._pool.settings.slot_bytes else "slot"
+        return (
+            f"'{name}' needs {nbytes} bytes but the {limit} has {self._capacity - self._cursor} of "
+            f"{self._capacity} left; raise PoolSettings.slot_bytes (PINPOOL_SLOT_BYTES) or pass "
+            "overflow='spill'"
+        )

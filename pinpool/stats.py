@@ -1,0 +1,48 @@
+"""Counters a pool keeps, and the immutable snapshot ``PinnedRingBuffer.stats()`` returns."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.define
+class Counters:
+    """Mutable counters, bumped on the hot path with plain attribute adds."""
+
+    stages: int = 0
+    copies: int = 0
+    bytes_copied: int = 0
+    stalls: int = 0
+    stall_seconds: float = 0.0
+    max_stall_seconds: float = 0.0
+    overflows: int = 0
+    aborted_stages: int = 0
+    owned_stages: int = 0
+    host_allocations: int = 0
+    device_allocations: int = 0
+
+
+@attrs.frozen
+class PoolStats:
+    """A snapshot of a pool's counters.
+
+    ``stalls`` and ``stall_seconds`` count the host waits of design invariant 1, the
+    only host waits the pool ever makes; ``host_allocations`` counts pinned buffers
+    the pool allocated (one at construction, plus one per spilled put).
+    """
+
+    stages: int
+    copies: int
+    bytes_copied: int
+    stalls: int
+    stall_seconds: float
+    max_stall_seconds: float
+    overflows: int
+    aborted_stages: int
+    owned_stages: int
+    host_allocations: int
+    device_allocations: int
+
+    @classmethod
+    def of(cls, counters: Counters) -> PoolStats:
+        return cls(**attrs.asdict(counters))

@@ -1,0 +1,170 @@
+"""How bytes and fences move: the one seam between the ring's logic and a real GPU.
+
+The ring never calls CUDA directly. It asks a ``Transport`` for memory, fences and the
+one host-to-device copy per stage, so that the same ring logic runs on CUDA, on plain
+host memory (design invariant 7), and on ``pinpool.simulated.LaggingGpu`` in tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from pinpool.exceptions import DeviceMismatchError
+
+Stream = Any  # torch.cuda.Stream on CUDA; an opaque token elsewhere.
+
+
+class Fence(Protocol):
+    """A marker in a stream: done once the device has passed it."""
+
+    def record(self, stream: Stream | None) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class Transport(Protocol):
+    """Memory, fences and copies for one device."""
+
+    device: torch.device
+    #: True when host memory is page-locked, so copies from it are truly asynchronous.
+    pinned: bool
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor: ...
+
+    def alloc_device(self, nbytes: int) -> torch.Tensor: ...
+
+    def new_fence(self) -> Fence: ...
+
+    def check_stream(self, stream: Stream) -> None: ...
+
+    def copy(self, dst_device: torch.Tensor, src_host: torch.Tensor, stream: Stream | None) -> None: ...
+
+    def stream_wait(self, waiter: Stream | None, fence: Fence) -> None: ...
+
+    def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream | None) -> None: ...
+
+
+class _NoFence:
+    """Host memory needs no fence: the copy is done when ``copy`` returns."""
+
+    def record(self, stream: Stream | None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+class HostTransport:
+    """Plain host memory and synchronous copies: CPU-only torch or ``device='cpu'``."""
+
+    pinned = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def alloc_device(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def new_fence(self) -> Fence:
+        return _NoFence()
+
+    def check_stream(self, stream: Stream) -> None:
+        return None
+
+    def copy(self, dst_device: torch.Tensor, src_host: torch.Tensor, stream: Stream | None) -> None:
+        dst_device.copy_(src_host)
+
+    def stream_wait(self, waiter: Stream | None, fence: Fence) -> None:
+        return None
+
+    def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream | None) -> None:
+        dst_device.fill_(byte)
+
+
+class CudaTransport:
+    """Pinned host memory, a device mirror, CUDA events and stream-ordered copies."""
+
+    pinned = True
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise DeviceMismatchError(f"'device' must be a CUDA device for CudaTransport (got {device})")
+        self.device = device
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        # Pin on behalf of this device's context so that, on a multi-GPU host, the
+        # allocation does not create a context on GPU 0.
+        with torch.cuda.device(self.device):
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def alloc_device(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def new_fence(self) -> Fence:
+        with torch.cuda.device(self.device):
+            # Timing off: a timing event costs more to record and we never read times.
+            return torch.cuda.Event(enable_timing=False)
+
+    def check_stream(self, stream: Stream) -> None:
+        if not isinstance(stream, torch.cuda.Stream):
+            raise DeviceMismatchError(f"'stream' must be a torch.cuda.Stream (got {type(stream).__name__})")
+        if stream.device != self.device:
+            raise DeviceMismatchError(
+                f"'stream' must be on the pool's device {self.device} (got a stream on {stream.device}); "
+                "create one pool per device"
+            )
+
+    def copy(self, dst_device: torch.Tensor, src_host: torch.Tensor, stream: Stream | None) -> None:
+        # Design invariant 3: one contiguous pinned range, one cudaMemcpyAsync.
+        if stream is None:
+            dst_device.copy_(src_host, non_blocking=True)
+            return
+        with torch.cuda.stream(stream):
+            dst_device.copy_(src_host, non_blocking=True)
+
+    def stream_wait(self, waiter: Stream | None, fence: Fence) -> None:
+        target = torch.cuda.current_stream(self.device) if waiter is None else waiter
+        target.wait_event(fence)  # type: ignore[arg-type]
+
+    def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream | None) -> None:
+        if stream is None:
+            dst_device.fill_(byte)
+            return
+        with torch.cuda.stream(stream):
+            dst_device.fill_(byte)
+
+
+def is_pin_memory_available(device: str | torch.device | None = None) -> bool:
+    """Whether host memory can be page-locked for copies to ``device``.
+
+    False for CPU devices and for torch builds without CUDA, where pinning raises.
+    """
+    target = torch.device("cuda" if device is None else device)
+    if target.type != "cuda":
+        return False
+    return torch.cuda.is_available()
+
+
+def transport_for(device: torch.device) -> Transport:
+    """The real transport for ``device``: CUDA when it can pin, plain host memory otherwise."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceMismatchError(
+                f"'device' is {device} but this torch build sees no CUDA device; use device='cpu'"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DeviceMismatchError(
+                f"'device' index must be < {torch.cuda.device_count()} visible CUDA devices (got {device})"
+            )
+        return CudaTransport(device)
+    return HostTransport(device)
