@@ -51,13 +51,13 @@ def make_step(mode: str, bs: int, device: torch.device, pool: PinnedRingBuffer |
         hosts = [torch.empty(bs, dtype=d, pin_memory=pin) for d in FIELDS]
         host_np = [h.numpy() for h in hosts]
         devs = [torch.empty(bs, dtype=d, device=device) for d in FIELDS]
-        event = torch.cuda.Event() if pin else None
+        event = torch.cuda.Event() if pin else None  # type: ignore[no-untyped-call]
 
         def persistent() -> list[torch.Tensor]:
             if event is not None:
                 event.synchronize()  # sync-ok: the pattern under test waits once per stage
-            for h, v in zip(host_np, lists, strict=True):
-                h[:] = v
+            for h_np, v in zip(host_np, lists, strict=True):
+                h_np[:] = v
             for dv, h in zip(devs, hosts, strict=True):
                 dv.copy_(h, non_blocking=True)
             if event is not None:
@@ -106,5 +106,3 @@ def workload(ctx: BenchContext) -> list[Table]:
         )
     columns = ("bs", *(f"{m} µs" for m in MODES), "speedup", *(f"{m} allocs" for m in MODES))
     return [Table("staging: host µs per stage", columns, tuple(rows), tuple(notes))]
-
-

@@ -55,7 +55,11 @@ class Table:
         return "\n".join(out)
 
     def as_json(self) -> dict[str, Any]:
-        return {"title": self.title, "notes": list(self.notes), "rows": [dict(zip(self.columns, r, strict=True)) for r in self.rows]}
+        return {
+            "title": self.title,
+            "notes": list(self.notes),
+            "rows": [dict(zip(self.columns, r, strict=True)) for r in self.rows],
+        }
 
 
 def _fmt(value: Any) -> str:

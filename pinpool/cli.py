@@ -74,8 +74,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             tables.append(table)
             print(table.render(), flush=True)
     if args.json is not None:
-        payload = {"device": str(device), "device_name": name, "torch": torch.__version__,
-                   "tables": [t.as_json() for t in tables]}
+        payload = {
+            "device": str(device),
+            "device_name": name,
+            "torch": torch.__version__,
+            "tables": [t.as_json() for t in tables],
+        }
         args.json.write_text(json.dumps(payload, indent=2))
     return 0
 

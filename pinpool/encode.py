@@ -120,7 +120,9 @@ def write(dst: np.ndarray[Any, Any] | torch.Tensor, src: Any, target: torch.dtyp
 
 def _write_array(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], name: str) -> None:
     flat = src.reshape(-1)
-    if flat.dtype == dst.dtype or (flat.dtype.kind == dst.dtype.kind == "i" and flat.dtype.itemsize <= dst.dtype.itemsize):
+    if flat.dtype == dst.dtype or (
+        flat.dtype.kind == dst.dtype.kind == "i" and flat.dtype.itemsize <= dst.dtype.itemsize
+    ):
         np.copyto(dst, flat)
         return
     kind, want = flat.dtype.kind, dst.dtype

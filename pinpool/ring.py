@@ -51,7 +51,7 @@ class PinnedRingBuffer:
         self._device_views: list[dict[torch.dtype, torch.Tensor]] = []
         for i in range(num_slots):
             raw_np = host_np[i * slot_bytes : (i + 1) * slot_bytes]
-            host = {d: raw_np.view(n) for d, n in NUMPY_DTYPE.items()}
+            host: dict[torch.dtype, Any] = {d: raw_np.view(n) for d, n in NUMPY_DTYPE.items()}
             host[torch.bfloat16] = self._host_slots[i].view(torch.bfloat16)
             self._host_views.append(host)
             self._device_views.append({d: self._device_slots[i].view(d) for d in host})

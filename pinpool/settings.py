@@ -73,7 +73,8 @@ class PoolSettings:
     #: Where the mirror lives. The default is the current CUDA device when there is one,
     #: else the CPU (design invariant 7: same API, plain memory, no events).
     device: torch.device = attrs.field(
-        default=attrs.Factory(lambda: "cuda" if torch.cuda.is_available() else "cpu"), converter=_to_device
+        default=attrs.Factory(lambda: torch.device("cuda" if torch.cuda.is_available() else "cpu")),
+        converter=_to_device,
     )
     #: Bytes per slot: the most one stage can carry. Rounded views need it to be a
     #: multiple of ``alignment``.

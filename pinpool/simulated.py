@@ -82,10 +82,15 @@ class LaggingGpu:
         return None
 
     def fill(self, dst_device: torch.Tensor, byte: int, stream: Any) -> None:
-        self._push(lambda: dst_device.fill_(byte) and None)
+        def run() -> None:
+            dst_device.fill_(byte)
+
+        self._push(run)
 
     # -- test hooks --------------------------------------------------------------------
-    def enqueue_check(self, device_view: torch.Tensor, expected: np.ndarray[Any, Any] | torch.Tensor, label: str) -> None:
+    def enqueue_check(
+        self, device_view: torch.Tensor, expected: np.ndarray[Any, Any] | torch.Tensor, label: str
+    ) -> None:
         """Queue a "kernel" that reads ``device_view`` and compares it to ``expected``."""
         want = torch.as_tensor(np.asarray(expected)) if not isinstance(expected, torch.Tensor) else expected.clone()
 

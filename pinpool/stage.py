@@ -32,8 +32,19 @@ class Stage:
     """An open stage: ``put`` / ``reserve`` values, then one copy on exit."""
 
     __slots__ = (
-        "_pool", "slot", "generation", "stream", "_host_views", "_device_views", "_owned_device",
-        "_capacity", "_cursor", "_end", "_open", "flushed", "spilled",
+        "_capacity",
+        "_cursor",
+        "_device_views",
+        "_end",
+        "_host_views",
+        "_open",
+        "_owned_device",
+        "_pool",
+        "flushed",
+        "generation",
+        "slot",
+        "spilled",
+        "stream",
     )
 
     def __init__(

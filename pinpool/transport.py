@@ -113,7 +113,7 @@ class CudaTransport:
     def new_fence(self) -> Fence:
         with torch.cuda.device(self.device):
             # Timing off: a timing event costs more to record and we never read times.
-            return torch.cuda.Event(enable_timing=False)
+            return torch.cuda.Event(enable_timing=False)  # type: ignore[no-untyped-call]
 
     def check_stream(self, stream: Stream) -> None:
         if not isinstance(stream, torch.cuda.Stream):

@@ -1,14 +1,12 @@
-"""Shared test set-up: quiet logs, and the ``gpu`` marker's skip rule."""
+"""Shared test set-up: the ``gpu`` marker's skip rule."""
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Iterator
 
 import pytest
 import structlog
 import torch
-
-structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -18,3 +16,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _reset_structlog() -> Iterator[None]:
+    """The CLI configures structlog globally; keep one test's configuration out of the next."""
+    yield
+    structlog.reset_defaults()

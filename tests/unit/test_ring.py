@@ -1,0 +1,263 @@
+"""PinnedRingBuffer on the CPU fallback: values, stats, lifecycle and misuse errors."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import structlog
+import torch
+
+from pinpool import (
+    CapacityError,
+    DeviceMismatchError,
+    PinnedRingBuffer,
+    PoolSettings,
+    PoolStateError,
+    StagingTypeError,
+    StagingValueError,
+    StaleLeaseError,
+    ThreadOwnershipError,
+)
+
+
+def make_pool(**kw: object) -> PinnedRingBuffer:
+    return PinnedRingBuffer(PoolSettings(**{"device": "cpu", "num_slots": 3, "slot_bytes": 1024, **kw}))  # type: ignore[arg-type]
+
+
+def test_cpu_fallback_returns_exactly_the_values_put() -> None:
+    """Catches a put that lands at the wrong offset, dtype or shape (design invariant 7)."""
+    pool = make_pool()
+    with pool.stage() as st:
+        temps = st.put([0.7, 1.0], torch.float32)
+        ks = st.put(np.array([5, 40], np.int32))
+        seeds = st.put(torch.tensor([1, 2**40]))
+        raw = st.put(b"\x01\x02\x03")
+        grid = st.put([[1, 2], [3, 4]], torch.int16)
+        halves = st.put(torch.tensor([1.5, -2.25], dtype=torch.bfloat16))
+        scalar = st.put(3.5, torch.float64)
+    assert temps.tolist() == pytest.approx([0.7, 1.0]) and temps.dtype == torch.float32
+    assert ks.tolist() == [5, 40] and ks.dtype == torch.int32
+    assert seeds.tolist() == [1, 2**40] and seeds.dtype == torch.int64
+    assert raw.tolist() == [1, 2, 3] and raw.dtype == torch.uint8
+    assert grid.tolist() == [[1, 2], [3, 4]] and grid.dtype == torch.int16
+    assert halves.tolist() == [1.5, -2.25] and halves.dtype == torch.bfloat16
+    assert scalar.shape == () and scalar.item() == 3.5
+    stats = pool.stats()
+    assert (stats.stages, stats.copies, stats.host_allocations) == (1, 1, 1)
+
+
+def test_puts_are_aligned_and_one_copy_covers_them() -> None:
+    """Catches misaligned offsets (a dtype view would fail) and copies of more than the used range."""
+    pool = make_pool(alignment=64)
+    with pool.stage() as st:
+        a = st.put([1], torch.int8)
+        b = st.put([2.0], torch.float64)
+        used = st.used_bytes
+    assert (b.data_ptr() - a.data_ptr()) % 64 == 0
+    assert used == 64 + 8
+    assert pool.stats().bytes_copied == used
+
+
+def test_ring_views_stay_valid_until_their_slot_is_recycled() -> None:
+    """Catches a slot reused before num_slots stages have passed."""
+    pool = make_pool(num_slots=3)
+    views = []
+    for i in range(3):
+        with pool.stage() as st:
+            views.append((st, st.put([i] * 4, torch.int32)))
+    assert [v.tolist() for _, v in views] == [[0] * 4, [1] * 4, [2] * 4]
+    with pool.stage() as st:
+        st.put([9] * 4, torch.int32)
+    assert not views[0][0].is_live and views[1][0].is_live
+    with pytest.raises(StaleLeaseError, match="recycled"):
+        views[0][0].check_live()
+
+
+def test_exception_inside_stage_issues_no_copy_and_keeps_earlier_data() -> None:
+    """Catches a half-done stage: a copy issued after an error, or a slot left claimed."""
+    pool = make_pool()
+    with pool.stage() as st:
+        kept = st.put([1.0, 2.0], torch.float32)
+    with pytest.raises(RuntimeError, match="scheduler bug"), pool.stage() as st:
+        st.put([5.0], torch.float32)
+        raise RuntimeError("scheduler bug")
+    stats = pool.stats()
+    assert (stats.copies, stats.aborted_stages) == (1, 1)
+    with pool.stage() as st:
+        after = st.put([3.0], torch.float32)
+    assert after.tolist() == [3.0]
+    assert kept.tolist() == [1.0, 2.0]
+
+
+def test_put_that_does_not_fit_raises_capacity_error_and_nothing_is_staged() -> None:
+    """Catches an overflow that silently truncates or writes past the slot."""
+    pool = make_pool(slot_bytes=256)
+    with pool.stage() as st:
+        first = st.put([1] * 8, torch.int32)
+        with pytest.raises(CapacityError) as info:
+            st.put([1] * 100, torch.int32)
+        after = st.put([7], torch.int32)
+    message = str(info.value)
+    assert "400 bytes" in message and "256" in message and "slot_bytes" in message and "spill" in message
+    assert first.tolist() == [1] * 8 and after.tolist() == [7]
+    assert pool.stats().overflows == 0
+
+
+def test_spill_policy_stages_through_a_one_off_buffer_and_counts_it() -> None:
+    """Catches a spill that loses data, goes uncounted, or logs nothing."""
+    pool = make_pool(slot_bytes=256, overflow="spill")
+    with structlog.testing.capture_logs() as logs, pool.stage() as st:
+        small = st.put([1, 2], torch.int32)
+        big = st.put(list(range(100)), torch.int32)
+    assert small.tolist() == [1, 2] and big.tolist() == list(range(100))
+    stats = pool.stats()
+    assert (stats.overflows, stats.copies, stats.host_allocations) == (1, 2, 2)
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["stage.overflow"]
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype", "error", "fragment"),
+    [
+        ([1.5], torch.int32, StagingValueError, "whole numbers"),
+        ([float("nan")], torch.int64, StagingValueError, "finite"),
+        ([2**40], torch.int32, StagingValueError, "must fit int32"),
+        (np.array([2**40]), torch.int32, StagingValueError, "must fit int32"),
+        (np.array([1.0, np.inf]), torch.int32, StagingValueError, "finite"),
+        ([1e39], torch.float32, StagingValueError, "must fit float32"),
+        (["a"], torch.float32, StagingValueError, "numbers"),
+        ([2], torch.bool, StagingValueError, "0/1"),
+        ([1], torch.complex64, StagingTypeError, "dtype must be one of"),
+        ({"a": 1}, torch.float32, StagingTypeError, "must be a list"),
+        ([1, 2], None, StagingTypeError, "explicit dtype"),
+        (b"abc", torch.int32, StagingValueError, "whole number of"),
+        (np.array(["x"]), torch.int32, StagingTypeError, "numbers"),
+    ],
+)
+def test_bad_values_raise_typed_errors_naming_the_field(
+    values: object, dtype: torch.dtype, error: type, fragment: str
+) -> None:
+    """Catches a value silently changed on its way to the GPU (1.5 -> 1, 2**40 -> 0, NaN -> garbage)."""
+    pool = make_pool()
+    with pool.stage() as st:
+        with pytest.raises(error) as info:
+            st.put(values, dtype, name="top_k")
+        assert "'top_k'" in str(info.value) and fragment in str(info.value)
+        assert st.used_bytes == 0
+        ok = st.put([4], torch.int32)
+    assert ok.tolist() == [4]
+
+
+def test_exact_conversions_are_accepted() -> None:
+    """Catches a validator so strict that it rejects values that convert exactly."""
+    pool = make_pool()
+    with pool.stage() as st:
+        a = st.put([1.0, -2.0], torch.int32)
+        b = st.put(np.array([1, 0], np.int64), torch.bool)
+        c = st.put([float("inf"), float("nan")], torch.float32)
+        d = st.put(np.array([3, 4], np.int64), torch.int32)
+    assert a.tolist() == [1, -2] and b.tolist() == [True, False] and d.tolist() == [3, 4]
+    assert c[0].item() == float("inf") and torch.isnan(c[1])
+
+
+def test_lifecycle_errors_nested_stage_use_after_close_and_double_close() -> None:
+    """Catches a nested stage corrupting the open one, and use of freed memory after close()."""
+    pool = make_pool()
+    with pool.stage() as st:
+        with pytest.raises(PoolStateError, match="inside open stage"):
+            pool.stage()
+        st.put([1], torch.int32)
+    with pool.stage() as st:
+        pass
+    with pytest.raises(PoolStateError, match="closed"):
+        st.put([1], torch.int32)
+    pool.close()
+    pool.close()  # no-op
+    with pytest.raises(PoolStateError, match="closed"):
+        pool.stage()
+
+
+def test_tensor_on_another_device_is_refused() -> None:
+    """Catches a silent cross-device copy of user data."""
+    pool = make_pool()
+    meta = torch.empty(2, device="meta")
+    with pool.stage() as st, pytest.raises(DeviceMismatchError, match="CPU tensor"):
+        st.put(meta)
+
+
+def test_owned_stage_copies_into_consumer_memory_that_survives_the_ring() -> None:
+    """Catches owned data aliasing the ring (design invariant 5)."""
+    pool = make_pool(num_slots=2)
+    with pool.stage(owned_bytes=64) as st:
+        kept = st.put([1.5, 2.5], torch.float32)
+    for i in range(5):
+        with pool.stage() as st2:
+            st2.put([float(i)] * 8, torch.float32)
+    assert kept.tolist() == [1.5, 2.5] and st.is_live
+    assert pool.stats().owned_stages == 1
+    with pool.stage(owned_bytes=8) as st3, pytest.raises(CapacityError, match="owned buffer"):
+        st3.put([1.0] * 8, torch.float32)  # 32 bytes into 8 (rounded up to 16)
+
+
+def test_retained_objects_are_released_when_the_slot_is_reclaimed() -> None:
+    """Catches a keep-alive list that leaks (never cleared) or drops early (design invariant 6)."""
+    pool = make_pool(num_slots=2)
+    sentinel = torch.empty(4)
+    with pool.stage() as st:
+        st.put([1], torch.int32)
+        st.retain(sentinel)
+    assert any(o is sentinel for o in pool._retained[0])
+    for _ in range(2):
+        with pool.stage() as st:
+            st.put([1], torch.int32)
+    assert not pool._retained[0]
+
+
+def test_debug_poisons_recycled_region_so_stale_views_show_nan() -> None:
+    """Catches a stale raw view that still reads plausible old data in debug mode."""
+    pool = make_pool(num_slots=2, debug=True)
+    with pool.stage() as st:
+        stale = st.put([1.0] * 8, torch.float32)
+    for _ in range(2):
+        with pool.stage() as st:
+            st.put([2.0], torch.float32)
+    assert torch.isnan(stale[1:]).all()
+
+
+def test_debug_refuses_a_second_thread() -> None:
+    """Catches two threads sharing one pool (one pool per worker is the model)."""
+    pool = make_pool(debug=True)
+    errors: list[BaseException] = []
+
+    def use() -> None:
+        try:
+            pool.stage()
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=use)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], ThreadOwnershipError)
+    with pool.stage() as st:
+        value = st.put([1], torch.int32)
+    assert value.tolist() == [1]
+
+
+def test_reserve_hands_out_a_host_view_that_lands_on_the_device() -> None:
+    """Catches reserve() returning views of different regions on the two sides."""
+    pool = make_pool()
+    with pool.stage() as st:
+        host, device = st.reserve(4, torch.int64)
+        host[:] = [4, 3, 2, 1]
+    assert device.tolist() == [4, 3, 2, 1]
+
+
+def test_events_have_stable_names() -> None:
+    """Catches a renamed log event that dashboards match on."""
+    with structlog.testing.capture_logs() as logs:
+        pool = make_pool()
+        pool.close()
+    assert [e["event"] for e in logs] == ["pool.created", "pool.closed"]
+    assert logs[0]["num_slots"] == 3 and logs[0]["slot_bytes"] == 1024
