@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The one command for the lent GPU: GPU tests, unit tests and `pinpool bench`, in one call.
+# Logs go to $OUT (the device tool brings them back); the short summary table prints last.
+#   bash tests/gpu/run_on_device.sh [extra pinpool-bench flags]
+set -uo pipefail
+OUT=${OUT:-/tmp/pinpool-out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/../.."
+if ! python3 -c "import structlog" 2>/dev/null; then
+  # The GPU image has no structlog and no registry: install the carried wheel (.whl/).
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "no structlog wheel in .whl/"; exit 1; }
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+# An editable install registers the bench workloads (entry points) without copying code.
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+  || { echo "editable install failed"; cat "$OUT/install.log"; }
+export PYTHONUNBUFFERED=1
+{
+  date -u +"%Y-%m-%dT%H:%MZ"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+} | tee "$OUT/device.txt"
+python3 -m pytest tests/gpu -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log"
+gpu_rc=${PIPESTATUS[0]}
+python3 -m pytest tests/unit -q -p no:cacheprovider 2>&1 | tee "$OUT/unit_tests.log" | tail -2
+unit_rc=${PIPESTATUS[0]}
+python3 -m pinpool.cli bench --json "$OUT/bench.json" "$@" 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
+bench_rc=${PIPESTATUS[0]}
+echo
+echo "== summary ($(head -1 "$OUT/device.txt"), $(sed -n 2p "$OUT/device.txt"))"
+echo "gpu tests : rc=$gpu_rc  $(tail -1 "$OUT/gpu_tests.log")"
+echo "unit tests: rc=$unit_rc  $(tail -1 "$OUT/unit_tests.log")"
+echo "bench     : rc=$bench_rc  (tables above; JSON in bench.json)"
+exit $(( gpu_rc || unit_rc || bench_rc ))
