@@ -8,6 +8,7 @@ not become a silently wrong sampling parameter.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,19 +103,33 @@ def write(dst: np.ndarray[Any, Any] | torch.Tensor, src: Any, target: torch.dtyp
     if isinstance(src, np.ndarray):
         _write_array(dst, src, name)
         return
-    # A flat Python sequence, parsed by numpy in C straight into the slot.
+    write_list(dst, src, target, name)
+
+
+def write_list(dst: np.ndarray[Any, Any], src: Any, target: torch.dtype, name: str) -> None:
+    """Write a flat Python sequence, parsed by numpy in C straight into the slot."""
     kind = dst.dtype.kind
-    try:
-        if kind == "f":
+    if kind == "f":
+        try:
             dst[:] = src
-            # Narrowing can overflow to inf silently; a legit inf is re-checked exactly.
-            if dst.dtype.itemsize < 8 and not np.isfinite(dst).all():
-                _check_float_range(np.asarray(src, dtype=np.float64), dst.dtype, name)
+        except (ValueError, TypeError) as exc:
+            raise StagingValueError(f"'{name}' must hold only numbers ({exc})") from exc
+        # Narrowing can overflow to inf silently. A finite sum proves every element is
+        # finite (cheaper than isfinite().all()); otherwise re-check the source exactly.
+        if dst.dtype.itemsize < 8 and not math.isfinite(np.add.reduce(dst)):
+            _check_float_range(np.asarray(src, dtype=np.float64), dst.dtype, name)
+        return
+    if kind in "iu":
+        # numpy raises on out-of-range ints and NaN, but truncates 1.5 silently. The
+        # builtin sum is a cheap witness: it stays an int only if every element is one.
+        try:
+            dst[:] = src
+            exact = isinstance(sum(src), (int, np.integer))
+        except (OverflowError, ValueError, TypeError):
+            exact = False
+        if exact:
             return
-    except (ValueError, TypeError) as exc:
-        raise StagingValueError(f"'{name}' must hold only numbers ({exc})") from exc
-    # Integers and bools: numpy would truncate 1.5 and wrap bools silently, so parse
-    # first (int64 for plain ints) and check what narrowing would change.
+    # Bools and every rejected case: parse, then check what the cast would change.
     _write_array(dst, _from_python(src, target, name), name)
 
 

@@ -55,6 +55,9 @@ class PinnedRingBuffer:
             host[torch.bfloat16] = self._host_slots[i].view(torch.bfloat16)
             self._host_views.append(host)
             self._device_views.append({d: self._device_slots[i].view(d) for d in host})
+        self._view_cache: list[dict[tuple[torch.dtype, int, int], torch.Tensor]] = [{} for _ in range(num_slots)]
+        # Copy ranges per (slot, bytes): one host and one device view, reused every lap.
+        self._copy_ranges: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(num_slots)]
         self._fences: list[Fence] = [self._transport.new_fence() for _ in range(num_slots)]
         self._retained: list[list[Any]] = [[] for _ in range(num_slots)]
         self._slot_generation = [0] * num_slots
@@ -153,9 +156,18 @@ class PinnedRingBuffer:
         nbytes = st.used_bytes
         if nbytes == 0:
             return
-        dst = st._owned_device if st._owned_device is not None else self._device_slots[st.slot]
+        if st._owned_device is not None:
+            dst, src = st._owned_device[:nbytes], self._host_slots[st.slot][:nbytes]
+        else:
+            ranges = self._copy_ranges[st.slot]
+            pair = ranges.get(nbytes)
+            if pair is None:
+                if len(ranges) >= 256:
+                    ranges.clear()
+                pair = ranges[nbytes] = (self._device_slots[st.slot][:nbytes], self._host_slots[st.slot][:nbytes])
+            dst, src = pair
         # Invariant 3: one contiguous byte range of the slot, one copy.
-        self._transport.copy(dst[:nbytes], self._host_slots[st.slot][:nbytes], st.stream)
+        self._transport.copy(dst, src, st.stream)
         counters = self._counters
         counters.copies += 1
         counters.bytes_copied += nbytes
