@@ -1,0 +1,22 @@
+"""sampling: per-request sampling parameters, their batch staged through pinpool, and the sampler."""
+
+from sampling.batch_info import RequestLike, SamplingBatchInfo, ScheduleBatchLike
+from sampling.exceptions import BatchMismatchError, SamplingParamError
+from sampling.params import DEFAULT_SEED, GREEDY_EPS, RECORD_DTYPE, TOP_K_ALL, SamplingParams
+from sampling.sampler import Sampler, filter_sorted_probs, hashed_uniform
+
+__all__ = [
+    "DEFAULT_SEED",
+    "GREEDY_EPS",
+    "RECORD_DTYPE",
+    "TOP_K_ALL",
+    "BatchMismatchError",
+    "RequestLike",
+    "Sampler",
+    "SamplingBatchInfo",
+    "SamplingParamError",
+    "SamplingParams",
+    "ScheduleBatchLike",
+    "filter_sorted_probs",
+    "hashed_uniform",
+]

@@ -1,0 +1,140 @@
+"""``SamplingParams``: one request's sampling settings, validated and packed once.
+
+Parameters never change after construction, so each request carries its packed 32-byte
+record; building a batch is then a join of those records and one memmove into the pool.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+
+from sampling.exceptions import SamplingParamError
+
+#: top_k meaning "no top-k filter" (sglang's convention), stored instead of -1.
+TOP_K_ALL = 1 << 30
+#: Below this temperature a request is greedy: stored as temperature 1.0, top_k 1.
+GREEDY_EPS = 1e-6
+#: Seed used for a request without one when deterministic sampling is on.
+DEFAULT_SEED = 42
+
+#: One request's row as the device sees it. Column views of a [bs] batch of these rows
+#: are the per-request tensors; the n_bias / bias_max_token columns let the host find
+#: logit-bias work with numpy instead of a Python loop.
+RECORD_DTYPE = np.dtype(
+    [
+        ("temperature", "<f4"),
+        ("top_p", "<f4"),
+        ("top_k", "<i4"),
+        ("min_p", "<f4"),
+        ("seed", "<i8"),
+        ("n_bias", "<i4"),
+        ("bias_max_token", "<i4"),
+    ]
+)
+assert RECORD_DTYPE.itemsize == 32
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise SamplingParamError(f"'{name}' must be a real number (got {value!r})")
+    return float(value)
+
+
+def _check_temperature(instance: Any, attribute: Any, value: Any) -> None:
+    v = _number("temperature", value)
+    if not math.isfinite(v) or v < 0:
+        raise SamplingParamError(f"'temperature' must be finite and >= 0 (got {value!r})")
+
+
+def _check_top_p(instance: Any, attribute: Any, value: Any) -> None:
+    v = _number("top_p", value)
+    if not (0.0 < v <= 1.0):
+        raise SamplingParamError(f"'top_p' must be in (0, 1] (got {value!r})")
+
+
+def _check_top_k(instance: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise SamplingParamError(f"'top_k' must be an int (got {value!r})")
+    if value != -1 and not (1 <= value <= TOP_K_ALL):
+        raise SamplingParamError(f"'top_k' must be >= 1, or -1 for all tokens (got {value!r})")
+
+
+def _check_min_p(instance: Any, attribute: Any, value: Any) -> None:
+    v = _number("min_p", value)
+    if not (0.0 <= v <= 1.0):
+        raise SamplingParamError(f"'min_p' must be in [0, 1] (got {value!r})")
+
+
+def _check_seed(instance: Any, attribute: Any, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (0 <= value < 2**63):
+        raise SamplingParamError(f"'seed' must be an int in [0, 2**63) or None (got {value!r})")
+
+
+def _check_max_new_tokens(instance: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SamplingParamError(f"'max_new_tokens' must be an int >= 1 (got {value!r})")
+
+
+def _to_bias(value: Mapping[int, float] | None) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+    if value is None or len(value) == 0:
+        return None
+    if not isinstance(value, Mapping):
+        raise SamplingParamError(f"'logit_bias' must be a mapping of token id to float (got {type(value).__name__})")
+    tokens, biases = [], []
+    for token, bias in sorted(value.items()):
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0:
+            raise SamplingParamError(f"'logit_bias' token ids must be ints >= 0 (got {token!r})")
+        b = _number("logit_bias", bias)
+        if not math.isfinite(b):
+            raise SamplingParamError(f"'logit_bias' values must be finite (got {bias!r} for token {token})")
+        tokens.append(int(token))
+        biases.append(b)
+    return tuple(tokens), tuple(biases)
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """Sampling settings of one request, normalised at construction.
+
+    ``temperature`` < 1e-6 means greedy and is stored as temperature 1.0 with top_k 1;
+    ``top_k=-1`` means all tokens and is stored as ``TOP_K_ALL``.
+    """
+
+    temperature: float = attrs.field(default=1.0, validator=_check_temperature)
+    top_p: float = attrs.field(default=1.0, validator=_check_top_p)
+    top_k: int = attrs.field(default=-1, validator=_check_top_k)
+    min_p: float = attrs.field(default=0.0, validator=_check_min_p)
+    seed: int | None = attrs.field(default=None, validator=_check_seed)
+    #: Sorted (token ids, biases); built from a {token id: bias} mapping.
+    logit_bias: tuple[tuple[int, ...], tuple[float, ...]] | None = attrs.field(default=None, converter=_to_bias)
+    max_new_tokens: int = attrs.field(default=128, validator=_check_max_new_tokens)
+    stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+    record: bytes = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.temperature < GREEDY_EPS:
+            object.__setattr__(self, "temperature", 1.0)
+            object.__setattr__(self, "top_k", 1)
+        elif self.top_k == -1:
+            object.__setattr__(self, "top_k", TOP_K_ALL)
+        object.__setattr__(self, "temperature", float(self.temperature))
+        row = np.zeros((), RECORD_DTYPE)
+        row["temperature"] = self.temperature
+        row["top_p"] = self.top_p
+        row["top_k"] = self.top_k
+        row["min_p"] = self.min_p
+        row["seed"] = DEFAULT_SEED if self.seed is None else self.seed
+        row["n_bias"] = 0 if self.logit_bias is None else len(self.logit_bias[0])
+        row["bias_max_token"] = -1 if self.logit_bias is None else min(self.logit_bias[0][-1], 2**31 - 1)
+        object.__setattr__(self, "record", row.tobytes())
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.top_k <= 1
