@@ -148,7 +148,10 @@ class SamplingBatchInfo:
         self.records = self.records.index_select(0, keep_device)
         self.host_records = self.host_records[keep]
         if self.logit_bias is not None:
-            self.logit_bias = self.logit_bias.index_select(0, keep_device)
+            # The host records say whether any kept row still carries a bias: drop the
+            # dense matrix (and its kernel per step) when none does.
+            has_bias = bool(self.host_records["n_bias"].any())
+            self.logit_bias = self.logit_bias.index_select(0, keep_device) if has_bias else None
         self.lease = None
         self._derive()
 

@@ -1,0 +1,35 @@
+"""Minimal scheduler stand-ins that satisfy sampling's Protocols."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from sampling import SamplingParams
+
+
+@dataclass
+class Req:
+    sampling_params: SamplingParams
+
+
+@dataclass
+class Batch:
+    reqs: list[Req]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+def random_params(rng: random.Random, vocab: int = 50, seeded: bool = True, bias: bool = True) -> SamplingParams:
+    greedy = rng.random() < 0.2
+    return SamplingParams(
+        temperature=0.0 if greedy else rng.uniform(0.3, 1.5),
+        top_p=rng.choice([1.0, rng.uniform(0.2, 1.0)]),
+        top_k=rng.choice([-1, rng.randint(1, vocab)]),
+        min_p=rng.choice([0.0, rng.uniform(0.0, 0.3)]),
+        seed=rng.randint(0, 2**40) if seeded and rng.random() < 0.8 else None,
+        logit_bias={rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(rng.randint(1, 3))}
+        if bias and rng.random() < 0.3
+        else None,
+    )

@@ -1,0 +1,144 @@
+"""SamplingBatchInfo on the CPU fallback: staged values, flags, filter, merge, bias, leases."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from pinpool import PinnedRingBuffer, PoolSettings, StaleLeaseError
+from sampling import TOP_K_ALL, BatchMismatchError, SamplingBatchInfo, SamplingParams
+from tests.fakes import Batch, Req, random_params
+
+VOCAB = 50
+
+
+def make_pool(num_slots: int = 4) -> PinnedRingBuffer:
+    return PinnedRingBuffer(PoolSettings(device="cpu", num_slots=num_slots, slot_bytes=1 << 18))
+
+
+def expected_columns(params: list[SamplingParams]) -> dict[str, list[float]]:
+    return {
+        "temperature": [np.float32(p.temperature) for p in params],
+        "top_p": [np.float32(p.top_p) for p in params],
+        "top_k": [p.top_k for p in params],
+        "min_p": [np.float32(p.min_p) for p in params],
+        "seed": [42 if p.seed is None else p.seed for p in params],
+    }
+
+
+def dense_bias(params: list[SamplingParams]) -> torch.Tensor:
+    out = torch.zeros(len(params), VOCAB)
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            for token, value in zip(*p.logit_bias, strict=True):
+                out[i, token] += value
+    return out
+
+
+def assert_matches(info: SamplingBatchInfo, params: list[SamplingParams]) -> None:
+    cols = expected_columns(params)
+    assert info.temperatures.shape == (len(params), 1)
+    assert info.temperatures[:, 0].tolist() == cols["temperature"]
+    assert info.top_ps.tolist() == cols["top_p"]
+    assert info.top_ks.tolist() == cols["top_k"]
+    assert info.top_ks.dtype == torch.int32
+    assert info.min_ps.tolist() == cols["min_p"]
+    assert info.sampling_seed is not None
+    assert info.sampling_seed.tolist() == cols["seed"]
+    assert info.is_all_greedy == all(p.top_k <= 1 for p in params)
+    assert info.need_top_p_sampling == any(p.top_p != 1.0 for p in params)
+    assert info.need_top_k_sampling == any(p.top_k != TOP_K_ALL for p in params)
+    assert info.need_min_p_sampling == any(p.min_p > 0 for p in params)
+    if any(p.logit_bias for p in params):
+        assert info.logit_bias is not None
+        assert torch.equal(info.logit_bias, dense_bias(params))
+    else:
+        assert info.logit_bias is None
+
+
+@pytest.mark.parametrize("bs", [1, 3, 999, 4097])
+@pytest.mark.parametrize("owned", [False, True])
+def test_staged_values_equal_the_inputs(bs: int, owned: bool) -> None:
+    """Catches a column read at the wrong record offset, or a bias entry in the wrong row."""
+    rng = random.Random(bs)
+    params = [random_params(rng, VOCAB) for _ in range(bs)]
+    pool = make_pool()
+    info = SamplingBatchInfo.from_schedule_batch(
+        Batch([Req(p) for p in params]), VOCAB, pool, owned=owned, deterministic=True
+    )
+    assert_matches(info, params)
+    assert pool.stats().copies == 1
+    assert (info.lease is None) == owned
+
+
+def test_filter_and_merge_match_a_from_scratch_build() -> None:
+    """Catches rows kept out of order, flags not recomputed, or bias rows misaligned."""
+    rng = random.Random(0)
+    a = [random_params(rng, VOCAB) for _ in range(7)]
+    b = [random_params(rng, VOCAB, bias=False) for _ in range(5)]
+    pool = make_pool()
+    info = SamplingBatchInfo.from_schedule_batch(Batch([Req(p) for p in a]), VOCAB, pool, deterministic=True)
+    keep = [6, 0, 3]
+    info.filter_batch(keep)
+    assert_matches(info, [a[i] for i in keep])
+    other = SamplingBatchInfo.from_schedule_batch(Batch([Req(p) for p in b]), VOCAB, pool, deterministic=True)
+    info.merge_batch(other)
+    assert_matches(info, [a[i] for i in keep] + b)
+    info.filter_batch(np.array([7]), keep_device=torch.tensor([7]))
+    assert_matches(info, [b[4]])
+
+
+def test_filter_bad_indices_and_merge_mismatch_raise() -> None:
+    """Catches an out-of-range keep index reaching index_select, or batches of two vocabularies merged."""
+    pool = make_pool()
+    info = SamplingBatchInfo.from_schedule_batch(Batch([Req(SamplingParams())] * 3), VOCAB, pool)
+    with pytest.raises(BatchMismatchError, match=r"in \[0, 3\)"):
+        info.filter_batch([0, 3])
+    other = SamplingBatchInfo.from_schedule_batch(Batch([Req(SamplingParams())]), VOCAB + 1, pool)
+    with pytest.raises(BatchMismatchError, match="vocab_size"):
+        info.merge_batch(other)
+    assert len(info) == 3
+
+
+def test_bias_token_outside_the_vocabulary_is_refused_before_staging() -> None:
+    """Catches a bias index past the vocabulary reaching the scatter kernel."""
+    pool = make_pool()
+    batch = Batch([Req(SamplingParams()), Req(SamplingParams(logit_bias={VOCAB: 1.0}))])
+    with pytest.raises(BatchMismatchError, match=f"got {VOCAB} in request 1"):
+        SamplingBatchInfo.from_schedule_batch(batch, VOCAB, pool)
+    assert pool.stats().copies == 0
+
+
+def test_apply_logits_bias_adds_in_place() -> None:
+    """Catches a bias applied to the wrong rows or not at all."""
+    pool = make_pool()
+    params = [SamplingParams(logit_bias={1: 3.0}), SamplingParams(), SamplingParams(logit_bias={0: -2.0, 4: 1.0})]
+    info = SamplingBatchInfo.from_schedule_batch(Batch([Req(p) for p in params]), 5, pool)
+    logits = torch.zeros(3, 5)
+    info.apply_logits_bias(logits)
+    assert logits.tolist() == [[0, 3, 0, 0, 0], [0, 0, 0, 0, 0], [-2, 0, 0, 0, 1]]
+    with pytest.raises(BatchMismatchError, match="shape"):
+        info.apply_logits_bias(torch.zeros(3, 4))
+
+
+def test_ring_batch_used_after_recycle_raises_stale_lease() -> None:
+    """Catches a per-step batch kept across steps without an owned stage (reads recycled memory)."""
+    pool = make_pool(num_slots=2)
+    info = SamplingBatchInfo.from_schedule_batch(Batch([Req(SamplingParams(top_p=0.5))]), VOCAB, pool)
+    for _ in range(2):
+        with pool.stage() as st:
+            st.put([1.0], torch.float32)
+    with pytest.raises(StaleLeaseError, match="owned stage"):
+        info.filter_batch([0])
+
+
+def test_device_and_empty_batch_errors() -> None:
+    """Catches a batch staged for one device into a pool of another, and an empty batch."""
+    pool = make_pool()
+    with pytest.raises(BatchMismatchError, match="at least one request"):
+        SamplingBatchInfo.from_schedule_batch(Batch([]), VOCAB, pool)
+    with pytest.raises(ValueError, match="pool's device"):
+        SamplingBatchInfo.from_schedule_batch(Batch([Req(SamplingParams())], torch.device("meta")), VOCAB, pool)
