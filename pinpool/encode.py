@@ -65,7 +65,7 @@ def as_source(values: Any, dtype: torch.dtype | None, name: str) -> tuple[Any, t
         target = check_dtype(torch.uint8 if dtype is None else dtype, name)
         np_dtype = NUMPY_DTYPE.get(target)
         raw = memoryview(values).cast("B")
-        itemsize = torch.empty((), dtype=target).element_size()
+        itemsize = target.itemsize
         if np_dtype is None or len(raw) % itemsize:
             raise StagingValueError(
                 f"'{name}' bytes must be a whole number of {target} elements ({itemsize} bytes each) (got {len(raw)})"

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pinpool.encode import NUMPY_DTYPE, as_source, check_dtype, write, write_list
-from pinpool.exceptions import CapacityError, PoolStateError, StaleLeaseError
+from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
 from pinpool.settings import OverflowPolicy
 from pinpool.transport import Stream
 
@@ -138,17 +138,21 @@ class Stage:
 
     def reserve(
         self, numel: int, dtype: torch.dtype, *, name: str = "values"
-    ) -> tuple[np.ndarray[Any, Any] | torch.Tensor, torch.Tensor]:
-        """Claim ``numel`` elements: (host view to fill in place, device view they land in).
+    ) -> tuple[np.ndarray[Any, Any], torch.Tensor]:
+        """Claim ``numel`` elements: (numpy host view to fill in place, device view they land in).
 
-        For callers that pack records themselves. The host view is valid only until the
-        stage's copy is issued; writing it later corrupts nothing but is lost.
+        For callers that pack records themselves; numpy dtypes only (``put`` takes
+        bfloat16). The host view is valid only until the stage's copy is issued. A
+        reservation never spills: it raises ``CapacityError`` when it does not fit.
         """
         self._check_open()
         target = check_dtype(dtype, name)
+        if target not in _NUMPY_ITEMSIZE:
+            raise StagingTypeError(f"'{name}' reserve() needs a numpy dtype (got {target}); use put() for it")
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise StagingValueError(f"'{name}' numel must be an int >= 0 (got {numel!r})")
         host, device = self._claim(numel, target, name, None)
-        if host is None:  # spilled: hand out the spill buffer's own host view
-            raise CapacityError(self._capacity_message(numel * _ITEMSIZE[target], name))
+        assert isinstance(host, np.ndarray)
         self._commit_claim(numel, target)
         return host, device
 

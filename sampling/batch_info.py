@@ -1,6 +1,6 @@
 """``SamplingBatchInfo``: a batch's sampling tensors, staged through the pool in one copy.
 
-The per-request tensors are column views of one ``[bs, 32]`` byte matrix of packed
+The per-request tensors are column views of one ``[bs * 32]`` byte block of packed
 records (``sampling.params.RECORD_DTYPE``). Building a batch joins the requests'
 precomputed records, memmoves them into a pool slot, and lands them (with any logit-bias
 entries) in one copy. Flags are computed from the host copy of the records: no device
@@ -9,8 +9,9 @@ value is ever read back.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -18,7 +19,15 @@ import torch
 
 from pinpool import DeviceMismatchError, PinnedRingBuffer, Stage
 from sampling.exceptions import BatchMismatchError
-from sampling.params import RECORD_DTYPE, TOP_K_ALL, SamplingParams
+from sampling.params import (
+    FLAG_BIAS,
+    FLAG_GREEDY,
+    FLAG_MIN_P,
+    FLAG_TOP_K,
+    FLAG_TOP_P,
+    RECORD_DTYPE,
+    SamplingParams,
+)
 
 RECORD_BYTES = RECORD_DTYPE.itemsize
 # Byte offsets of the record's columns, as element indices of each dtype view.
@@ -47,7 +56,7 @@ class ScheduleBatchLike(Protocol):
 class SamplingBatchInfo:
     """Sampling tensors of a running batch; filtered and merged in place like sglang's."""
 
-    #: uint8 [bs, 32] on the device: the packed records the column views below read.
+    #: uint8 [bs * 32] on the device: the packed records the column views below read.
     records: torch.Tensor
     #: The host copy of the same records (numpy, RECORD_DTYPE): flags come from here.
     host_records: np.ndarray[Any, Any]
@@ -58,6 +67,8 @@ class SamplingBatchInfo:
     lease: Stage | None = None
     #: float32 [bs, vocab_size] or None.
     logit_bias: torch.Tensor | None = None
+    #: (OR, AND) of the rows' flag bits when the caller already reduced them.
+    flag_bits: tuple[int, int] | None = attrs.field(default=None, repr=False)
     temperatures: torch.Tensor = attrs.field(init=False)  # float32 [bs, 1]
     top_ps: torch.Tensor = attrs.field(init=False)  # float32 [bs]
     top_ks: torch.Tensor = attrs.field(init=False)  # int32 [bs]
@@ -98,15 +109,19 @@ class SamplingBatchInfo:
             raise DeviceMismatchError(f"'batch.device' must be the pool's device {pool.device} (got {batch.device})")
         joined = b"".join([r.sampling_params.record for r in reqs])
         host_records = np.frombuffer(joined, RECORD_DTYPE)
-        n_bias = host_records["n_bias"]
-        bias_total = int(n_bias.sum())
-        if bias_total:
+        flags = host_records["flags"]
+        any_flags = int(np.bitwise_or.reduce(flags))
+        bias_total = 0
+        if any_flags & FLAG_BIAS:
+            n_bias = host_records["n_bias"]
+            bias_total = int(n_bias.sum())
             _check_bias_tokens(host_records, vocab_size)
         owned_bytes = None
         if owned:
             owned_bytes = bs * RECORD_BYTES + bias_total * 12 + 2 * pool.settings.alignment
         with pool.stage(owned_bytes=owned_bytes) as st:
-            records = st.put(joined, torch.uint8, name="sampling records").view(bs, RECORD_BYTES)
+            records_host, records = st.reserve(bs * RECORD_BYTES, torch.uint8, name="sampling records")
+            records_host[:] = np.frombuffer(joined, np.uint8)  # one memmove of the joined records
             if bias_total:
                 flat_index, bias_values = _stage_bias(st, reqs, n_bias, bias_total, vocab_size)
         logit_bias = None
@@ -121,6 +136,7 @@ class SamplingBatchInfo:
             pool,
             lease=None if owned else st,
             logit_bias=logit_bias,
+            flag_bits=(any_flags, int(np.bitwise_and.reduce(flags))),
         )
 
     # -- batch edits (no host sync) ----------------------------------------------------
@@ -145,7 +161,7 @@ class SamplingBatchInfo:
                 f"(got {tuple(keep_device.shape)} on {keep_device.device})"
             )
         self._check_lease()
-        self.records = self.records.index_select(0, keep_device)
+        self.records = self.records.view(-1, RECORD_BYTES).index_select(0, keep_device).view(-1)
         self.host_records = self.host_records[keep]
         if self.logit_bias is not None:
             # The host records say whether any kept row still carries a bias: drop the
@@ -196,18 +212,56 @@ class SamplingBatchInfo:
         return torch.zeros(len(self), self.vocab_size, dtype=torch.float32, device=self.records.device)
 
     def _derive(self) -> None:
-        f32 = self.records.view(torch.float32)
-        self.temperatures = f32[:, _F32["temperature"] : _F32["temperature"] + 1]
-        self.top_ps = f32[:, _F32["top_p"]]
-        self.min_ps = f32[:, _F32["min_p"]]
-        self.top_ks = self.records.view(torch.int32)[:, _TOP_K_I32]
-        self.sampling_seed = self.records.view(torch.int64)[:, _SEED_I64] if self.deterministic else None
-        host = self.host_records
-        top_k = host["top_k"]
-        self.is_all_greedy = bool((top_k <= 1).all())
-        self.need_top_p_sampling = bool((host["top_p"] != 1.0).any())
-        self.need_top_k_sampling = bool((top_k != TOP_K_ALL).any())
-        self.need_min_p_sampling = bool((host["min_p"] > 0).any())
+        bs = len(self.host_records)
+        columns = _column_views(self.records, bs, self.pool if self.lease is not None else None)
+        self.temperatures, self.top_ps, self.top_ks, self.min_ps, seeds = columns
+        self.sampling_seed = seeds if self.deterministic else None
+        if self.flag_bits is None:
+            flags = self.host_records["flags"]
+            self.flag_bits = (int(np.bitwise_or.reduce(flags)), int(np.bitwise_and.reduce(flags)))
+        any_bits, all_bits = self.flag_bits
+        self.flag_bits = None  # valid for this row set only; recomputed after filter/merge
+        self.is_all_greedy = bool(all_bits & FLAG_GREEDY)
+        self.need_top_p_sampling = bool(any_bits & FLAG_TOP_P)
+        self.need_top_k_sampling = bool(any_bits & FLAG_TOP_K)
+        self.need_min_p_sampling = bool(any_bits & FLAG_MIN_P)
+
+
+_Columns = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# Ring-staged records of the same batch size land at the same slot offsets lap after
+# lap: the column views of that memory are the same, so they are built once. Keyed by
+# the records' address and batch size; only ring memory (owned by the pool for its whole
+# life) is cached, never owned buffers, whose addresses the allocator reuses.
+# The cache lives as long as its pool (weak key), so a closed pool's mirror is not pinned.
+_RING_COLUMNS: weakref.WeakKeyDictionary[PinnedRingBuffer, dict[tuple[int, int], _Columns]] = (
+    weakref.WeakKeyDictionary()
+)
+_RING_COLUMNS_LIMIT = 256
+
+
+def _column_views(records: torch.Tensor, bs: int, pool: PinnedRingBuffer | None) -> _Columns:
+    cache = None
+    if pool is not None:
+        cache = _RING_COLUMNS.get(pool)
+        if cache is None:
+            cache = _RING_COLUMNS[pool] = {}
+        key = (records.data_ptr(), bs)
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+    f32 = records.view(torch.float32).view(bs, RECORD_BYTES // 4)
+    columns = (
+        f32[:, _F32["temperature"] : _F32["temperature"] + 1],
+        f32[:, _F32["top_p"]],
+        records.view(torch.int32).view(bs, RECORD_BYTES // 4)[:, _TOP_K_I32],
+        f32[:, _F32["min_p"]],
+        records.view(torch.int64).view(bs, RECORD_BYTES // 8)[:, _SEED_I64],
+    )
+    if cache is not None:
+        if len(cache) >= _RING_COLUMNS_LIMIT:
+            cache.clear()
+        cache[key] = columns
+    return columns
 
 
 def _check_bias_tokens(host_records: np.ndarray[Any, Any], vocab_size: int) -> None:
@@ -223,9 +277,8 @@ def _check_bias_tokens(host_records: np.ndarray[Any, Any], vocab_size: int) -> N
 def _stage_bias(
     st: Stage, reqs: Sequence[RequestLike], n_bias: np.ndarray[Any, Any], total: int, vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    index_raw, index_device = st.reserve(total, torch.int64, name="logit_bias index")
-    value_raw, value_device = st.reserve(total, torch.float32, name="logit_bias values")
-    index_host, value_host = cast(np.ndarray[Any, Any], index_raw), cast(np.ndarray[Any, Any], value_raw)
+    index_host, index_device = st.reserve(total, torch.int64, name="logit_bias index")
+    value_host, value_device = st.reserve(total, torch.float32, name="logit_bias values")
     at = 0
     for i in np.nonzero(n_bias)[0].tolist():  # only the requests that carry a bias
         bias = reqs[i].sampling_params.logit_bias

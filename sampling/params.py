@@ -19,6 +19,10 @@ from sampling.exceptions import SamplingParamError
 TOP_K_ALL = 1 << 30
 #: Below this temperature a request is greedy: stored as temperature 1.0, top_k 1.
 GREEDY_EPS = 1e-6
+#: Bits of the record's ``flags`` column: a batch's flags are one OR / AND reduction.
+FLAG_GREEDY, FLAG_TOP_P, FLAG_TOP_K, FLAG_MIN_P, FLAG_BIAS = 1, 2, 4, 8, 16
+#: Most logit-bias entries one request may carry (the record counts them in 16 bits).
+MAX_BIAS_ENTRIES = 65535
 #: Seed used for a request without one when deterministic sampling is on.
 DEFAULT_SEED = 42
 
@@ -32,7 +36,8 @@ RECORD_DTYPE = np.dtype(
         ("top_k", "<i4"),
         ("min_p", "<f4"),
         ("seed", "<i8"),
-        ("n_bias", "<i4"),
+        ("flags", "<u2"),
+        ("n_bias", "<u2"),
         ("bias_max_token", "<i4"),
     ]
 )
@@ -85,6 +90,8 @@ def _check_max_new_tokens(instance: Any, attribute: Any, value: Any) -> None:
 def _to_bias(value: Mapping[int, float] | None) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
     if value is None or len(value) == 0:
         return None
+    if len(value) > MAX_BIAS_ENTRIES:
+        raise SamplingParamError(f"'logit_bias' must have at most {MAX_BIAS_ENTRIES} entries (got {len(value)})")
     if not isinstance(value, Mapping):
         raise SamplingParamError(f"'logit_bias' must be a mapping of token id to float (got {type(value).__name__})")
     tokens, biases = [], []
@@ -132,6 +139,13 @@ class SamplingParams:
         row["min_p"] = self.min_p
         row["seed"] = DEFAULT_SEED if self.seed is None else self.seed
         row["n_bias"] = 0 if self.logit_bias is None else len(self.logit_bias[0])
+        row["flags"] = (
+            (FLAG_GREEDY if self.top_k <= 1 else 0)
+            | (FLAG_TOP_P if self.top_p != 1.0 else 0)
+            | (FLAG_TOP_K if self.top_k != TOP_K_ALL else 0)
+            | (FLAG_MIN_P if self.min_p > 0 else 0)
+            | (FLAG_BIAS if self.logit_bias is not None else 0)
+        )
         row["bias_max_token"] = -1 if self.logit_bias is None else min(self.logit_bias[0][-1], 2**31 - 1)
         object.__setattr__(self, "record", row.tobytes())
 

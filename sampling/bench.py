@@ -1,0 +1,122 @@
+"""The sampling workload of ``pinpool bench``: host µs per SamplingBatchInfo build.
+
+Baselines rebuild sglang's ``from_schedule_batch`` shape on the same requests: five
+per-field tensors (``sync``: ``torch.tensor(list, device=)``; ``pinned``: PR #28076's
+``pin_memory=True`` + ``non_blocking``) plus the flags computed with Python any/all.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool.benchkit import BenchContext, Table, host_allocs, host_us_per_call
+from sampling.batch_info import SamplingBatchInfo
+from sampling.params import TOP_K_ALL, SamplingParams
+
+VOCAB = 32_000
+
+
+class _Req:
+    __slots__ = ("sampling_params",)
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.sampling_params = params
+
+
+class _Batch:
+    def __init__(self, reqs: list[_Req], device: torch.device) -> None:
+        self.reqs = reqs
+        self.device = device
+
+
+def make_batch(bs: int, device: torch.device, seed: int = 0) -> _Batch:
+    rng = random.Random(seed)
+    reqs = [
+        _Req(
+            SamplingParams(
+                temperature=rng.choice([0.0, rng.uniform(0.5, 1.2)]),
+                top_p=rng.choice([1.0, 0.9]),
+                top_k=rng.choice([-1, 40]),
+                min_p=rng.choice([0.0, 0.05]),
+                seed=rng.randint(0, 2**32),
+            )
+        )
+        for _ in range(bs)
+    ]
+    return _Batch(reqs, device)
+
+
+def per_field_build(batch: _Batch, pin: bool, sync: bool) -> tuple[Any, ...]:
+    """sglang's per-field shape: five tensors and Python flag loops."""
+    reqs, device = batch.reqs, batch.device
+
+    def upload(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        if sync:
+            return torch.tensor(values, dtype=dtype, device=device)
+        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+
+    temperatures = upload([r.sampling_params.temperature for r in reqs], torch.float32).view(-1, 1)
+    top_ps = upload([r.sampling_params.top_p for r in reqs], torch.float32)
+    top_ks = upload([r.sampling_params.top_k for r in reqs], torch.int32)
+    min_ps = upload([r.sampling_params.min_p for r in reqs], torch.float32)
+    seeds = upload([r.sampling_params.seed for r in reqs], torch.int64)
+    flags = (
+        all(r.sampling_params.top_k <= 1 for r in reqs),
+        any(r.sampling_params.top_p != 1.0 for r in reqs),
+        any(r.sampling_params.top_k != TOP_K_ALL for r in reqs),
+        any(r.sampling_params.min_p > 0 for r in reqs),
+    )
+    return temperatures, top_ps, top_ks, min_ps, seeds, flags
+
+
+def workload(ctx: BenchContext) -> list[Table]:
+    pool = PinnedRingBuffer(PoolSettings(device=ctx.device, num_slots=8, slot_bytes=1 << 20))
+    pin = ctx.is_cuda
+    rows = []
+    for bs in ctx.batch_sizes:
+        ctx.progress(f"sampling bs={bs}")
+        batch = make_batch(bs, ctx.device)
+        build = SamplingBatchInfo.from_schedule_batch
+        steps: dict[str, Callable[[], Any]] = {
+            "sync": partial(per_field_build, batch, pin, sync=True),
+            "pool": partial(build, batch, VOCAB, pool, deterministic=True),
+            "owned": partial(build, batch, VOCAB, pool, owned=True, deterministic=True),
+        }
+        if pin:
+            steps["pinned"] = partial(per_field_build, batch, pin, sync=False)
+        us, allocs = {}, {}
+        for mode, step in steps.items():
+            before = host_allocs()
+            us[mode] = host_us_per_call(ctx, step)
+            allocs[mode] = host_allocs() - before
+        base = us.get("pinned", us["sync"])
+        rows.append(
+            (
+                bs,
+                us["sync"],
+                us.get("pinned", float("nan")),
+                us["pool"],
+                us["owned"],
+                base / us["pool"],
+                base / us["owned"],
+                allocs.get("pinned", 0),
+                allocs["pool"],
+            )
+        )
+    stats = pool.stats()
+    pool.close()
+    notes = [
+        f"host µs per batch build (5 fields + 4 flags), median of {ctx.repeats} blocks of {ctx.iters}; "
+        f"pool: {stats.copies} copies for {stats.stages} builds",
+        "x pool / x owned = pinned µs (sync µs on CPU) divided by the pool's; owned = copy into batch-owned memory",
+    ]
+    if not pin:
+        notes.append("CPU run: no pinning or async copies here; figures show Python-side cost only")
+    columns = ("bs", "sync µs", "pinned µs", "pool µs", "owned µs", "x pool", "x owned", "pinned allocs", "pool allocs")
+    return [Table("sampling: host µs per SamplingBatchInfo build", columns, tuple(rows), tuple(notes))]
