@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import structlog
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors through the interpreter. Set before any kernel
+    # module is imported: @triton.jit reads it at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,0 +1,94 @@
+"""Writing request rows of ``req_to_token``: the Triton kernel, its launcher, its reference.
+
+Each program owns one request and copies its prefix (through a staged pointer) and its
+newly allocated KV slots (from ``out_cache_loc`` at a staged start offset). Work is
+O(total tokens + bs): start offsets come in precomputed, where sglang's kernel sums
+``extend_lens[0:pid]`` in every program (O(bs²)).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from memcache.exceptions import CacheIndexError
+
+#: Rows of the staged metadata matrix, int64 [META_ROWS, bs].
+META_ROW, META_PREFIX_LEN, META_SEQ_LEN, META_START, META_PREFIX_PTR = range(5)
+META_ROWS = 5
+BLOCK = 256
+
+
+@triton.jit
+def _write_req_to_token_kernel(
+    req_to_token_ptr,  # int32 [num_rows, row_stride]
+    meta_ptr,  # int64 [5, bs]: row, prefix_len, seq_len, start offset, prefix data_ptr
+    out_cache_loc_ptr,  # int32 | int64 [sum(seq_len - prefix_len)]
+    bs,
+    row_stride,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = tl.load(meta_ptr + pid)
+    prefix_len = tl.load(meta_ptr + bs + pid)
+    seq_len = tl.load(meta_ptr + 2 * bs + pid)
+    start = tl.load(meta_ptr + 3 * bs + pid)
+    prefix_addr = tl.load(meta_ptr + 4 * bs + pid)
+    dst = req_to_token_ptr + row * row_stride
+    # An empty prefix stages address 0: the loop below never runs, so it is never read.
+    prefix = prefix_addr.to(tl.pointer_type(tl.int32))
+    for off in range(0, prefix_len, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        mask = idx < prefix_len
+        tl.store(dst + idx, tl.load(prefix + idx, mask=mask), mask=mask)
+    extend_len = seq_len - prefix_len
+    for off in range(0, extend_len, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        mask = idx < extend_len
+        slots = tl.load(out_cache_loc_ptr + start + idx, mask=mask)
+        tl.store(dst + prefix_len + idx, slots.to(tl.int32), mask=mask)
+
+
+def launch_write_req_to_token(req_to_token: torch.Tensor, meta: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+    """Validate tensor shapes, dtypes, devices and contiguity, then launch one program per request.
+
+    The *values* (rows, lengths, pointers) must already be validated on the host by
+    ``write_cache_indices``: a kernel cannot raise, so a bad index must never get here.
+    """
+    if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
+        raise CacheIndexError(
+            f"'req_to_token' must be int32 [rows, len] with unit inner stride (got {req_to_token.dtype} "
+            f"{tuple(req_to_token.shape)})"
+        )
+    if meta.dtype != torch.int64 or meta.dim() != 2 or meta.shape[0] != META_ROWS or not meta.is_contiguous():
+        raise CacheIndexError(f"'meta' must be contiguous int64 [5, bs] (got {meta.dtype} {tuple(meta.shape)})")
+    if out_cache_loc.dtype not in (torch.int32, torch.int64) or out_cache_loc.dim() != 1:
+        raise CacheIndexError(f"'out_cache_loc' must be 1-D int32/int64 (got {out_cache_loc.dtype})")
+    if not out_cache_loc.is_contiguous():
+        raise CacheIndexError("'out_cache_loc' must be contiguous")
+    for name, t in (("meta", meta), ("out_cache_loc", out_cache_loc)):
+        if t.device != req_to_token.device:
+            raise CacheIndexError(f"'{name}' must be on {req_to_token.device} (got {t.device})")
+    bs = meta.shape[1]
+    if bs == 0:
+        return
+    _write_req_to_token_kernel[(bs,)](req_to_token, meta, out_cache_loc, bs, req_to_token.stride(0), BLOCK=BLOCK)
+
+
+def write_req_to_token_reference(
+    req_to_token: torch.Tensor,
+    rows: list[int],
+    prefix_lens: list[int],
+    seq_lens: list[int],
+    starts: list[int],
+    prefix_tensors: list[torch.Tensor],
+    out_cache_loc: torch.Tensor,
+) -> None:
+    """The same writes in plain torch, one request at a time: for backends without Triton."""
+    for i, row in enumerate(rows):
+        p, s = prefix_lens[i], seq_lens[i]
+        if p:
+            req_to_token[row, :p] = prefix_tensors[i][:p]
+        if s > p:
+            req_to_token[row, p:s] = out_cache_loc[starts[i] : starts[i] + s - p].to(torch.int32)
