@@ -1,0 +1,160 @@
+"""The memcache workload of ``pinpool bench``: the write kernel and the whole call.
+
+``baseline`` is sglang's design rebuilt here for comparison (not library code): one
+program per request that sums ``extend_lens[0:pid]`` itself, with per-field uploads.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+from memcache.req_to_token import ReqToTokenPool
+from memcache.write_cache import write_cache_indices
+from memcache.write_kernel import BLOCK, META_ROWS, launch_write_req_to_token
+from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool.benchkit import BenchContext, Table, host_us_per_call
+
+MAX_LEN = 256
+KERNEL_SIZES = (1024, 4096, 8192)
+
+
+@triton.jit
+def _baseline_kernel(
+    req_to_token_ptr,  # int32 [rows, row_stride]
+    req_pool_indices,  # int64 [bs]
+    prefix_ptrs,  # int64 [bs]
+    prefix_lens,  # int64 [bs]
+    seq_lens,  # int64 [bs]
+    extend_lens,  # int64 [bs]
+    out_cache_loc,  # int64 [sum(extend)]
+    row_stride,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = tl.load(req_pool_indices + pid)
+    prefix_len = tl.load(prefix_lens + pid)
+    seq_len = tl.load(seq_lens + pid)
+    start = tl.cast(0, tl.int64)
+    for i in range(0, pid, BLOCK):  # every program re-sums the lengths before it: O(bs^2)
+        offs = i + tl.arange(0, BLOCK)
+        start += tl.sum(tl.load(extend_lens + offs, mask=offs < pid, other=0))
+    dst = req_to_token_ptr + row * row_stride
+    prefix = tl.load(prefix_ptrs + pid).to(tl.pointer_type(tl.int32))
+    for off in range(0, prefix_len, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        mask = idx < prefix_len
+        tl.store(dst + idx, tl.load(prefix + idx, mask=mask), mask=mask)
+    for off in range(0, seq_len - prefix_len, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        mask = idx < seq_len - prefix_len
+        tl.store(dst + prefix_len + idx, tl.load(out_cache_loc + start + idx, mask=mask).to(tl.int32), mask=mask)
+
+
+def make_case(bs: int, device: torch.device, seed: int = 0) -> dict[str, Any]:
+    rng = random.Random(seed)
+    prefix = [rng.choice([0, rng.randint(1, 64)]) for _ in range(bs)]
+    extend = [rng.randint(1, 8) for _ in range(bs)]
+    shared = torch.randint(1, 1 << 20, (64,), dtype=torch.int32, device=device)
+    return {
+        "out_cache_loc": torch.randint(1, 1 << 20, (sum(extend),), dtype=torch.int64, device=device),
+        "req_pool_indices": list(range(bs)),
+        "prefix_lens": prefix,
+        "seq_lens": [p + e for p, e in zip(prefix, extend, strict=True)],
+        "extend_lens": extend,
+        "prefix_tensors": [shared] * bs,
+    }
+
+
+def baseline_call(case: dict[str, Any], rtt: ReqToTokenPool, pin: bool) -> None:
+    """sglang after PR #28076: per-field pinned uploads, then the per-program-prefix-sum kernel."""
+    device = rtt.device
+
+    def up(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
+
+    pointers = [t.data_ptr() for t in case["prefix_tensors"]]
+    args = [up(case[k]) for k in ("req_pool_indices", "prefix_lens", "seq_lens", "extend_lens")]
+    rows, prefix, seq, extend = args
+    bs = len(pointers)
+    _baseline_kernel[(bs,)](
+        rtt.req_to_token, rows, up(pointers), prefix, seq, extend, case["out_cache_loc"], MAX_LEN, BLOCK=BLOCK
+    )
+
+
+def _kernel_table(ctx: BenchContext, pool: PinnedRingBuffer) -> Table:
+    rows = []
+    for bs in KERNEL_SIZES:
+        ctx.progress(f"write kernel bs={bs}")
+        case = make_case(bs, ctx.device)
+        rtt = ReqToTokenPool(bs, MAX_LEN, ctx.device)
+        extend = np.asarray(case["extend_lens"], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(extend)[:-1]])
+        ptrs = [t.data_ptr() for t in case["prefix_tensors"]]
+        meta_host = np.stack([case["req_pool_indices"], case["prefix_lens"], case["seq_lens"], starts, ptrs])
+        meta = torch.from_numpy(meta_host.astype(np.int64)).to(ctx.device)
+        assert meta.shape[0] == META_ROWS
+        dev = {
+            k: torch.tensor(case[k], dtype=torch.int64, device=ctx.device)
+            for k in ("req_pool_indices", "prefix_lens", "seq_lens", "extend_lens")
+        }
+        dev_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=ctx.device)
+        ours_launch = partial(launch_write_req_to_token, rtt.req_to_token, meta, case["out_cache_loc"])
+        base_launch = partial(
+            _baseline_kernel[(bs,)],
+            rtt.req_to_token,
+            dev["req_pool_indices"],
+            dev_ptrs,
+            dev["prefix_lens"],
+            dev["seq_lens"],
+            dev["extend_lens"],
+            case["out_cache_loc"],
+            MAX_LEN,
+            BLOCK=BLOCK,
+        )
+        ours = do_bench(ours_launch, return_mode="median")
+        base = do_bench(base_launch, return_mode="median")
+        rows.append((bs, base * 1e3, ours * 1e3, base / ours))
+    notes = ("device µs per launch, triton.testing.do_bench median; prefixes 0-64, extends 1-8 tokens",)
+    return Table(
+        "memcache: write kernel, device µs", ("bs", "prefix-sum µs", "start-offsets µs", "speedup"), tuple(rows), notes
+    )
+
+
+def workload(ctx: BenchContext) -> list[Table]:
+    pool = PinnedRingBuffer(PoolSettings(device=ctx.device, num_slots=8, slot_bytes=1 << 20))
+    tables = []
+    if ctx.is_cuda:
+        tables.append(_kernel_table(ctx, pool))
+    rows = []
+    for bs in ctx.batch_sizes:
+        ctx.progress(f"write_cache_indices bs={bs}")
+        case = make_case(bs, ctx.device)
+        rtt = ReqToTokenPool(bs, MAX_LEN, ctx.device)
+        ours = host_us_per_call(ctx, partial(write_cache_indices, req_to_token_pool=rtt, pool=pool, **case))
+        if ctx.is_cuda:
+            base = host_us_per_call(ctx, partial(baseline_call, case, rtt, pin=True))
+            rows.append((bs, base, ours, base / ours))
+        else:
+            rows.append((bs, float("nan"), ours, float("nan")))
+    stats = pool.stats()
+    notes = [f"host µs per whole call incl. validation; pool made {stats.copies} copies for {stats.stages} calls"]
+    if not ctx.is_cuda:
+        notes.append("CPU run: torch reference path, no kernel timing and no pinned baseline; run on a GPU for those")
+    tables.append(
+        Table(
+            "memcache: host µs per write_cache_indices",
+            ("bs", "pinned µs", "pool µs", "speedup"),
+            tuple(rows),
+            tuple(notes),
+        )
+    )
+    pool.close()
+    return tables
