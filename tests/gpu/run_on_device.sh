@@ -21,7 +21,7 @@ export PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 } | tee "$OUT/device.txt"
-python3 -m pytest tests/gpu -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log"
+python3 -m pytest tests/gpu -q -p no:cacheprovider -rs --durations=8 2>&1 | tee "$OUT/gpu_tests.log"
 gpu_rc=${PIPESTATUS[0]}
 python3 -m pytest tests/unit -q -p no:cacheprovider 2>&1 | tee "$OUT/unit_tests.log" | tail -2
 unit_rc=${PIPESTATUS[0]}

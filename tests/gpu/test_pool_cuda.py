@@ -47,7 +47,7 @@ def stage_random(pool: PinnedRingBuffer, rng: random.Random) -> list[tuple[torch
 def test_1000_lagged_stages_arrive_exactly() -> None:
     """Catches a slot rewritten on the host while its copy is still queued (invariant 1)."""
     rng = random.Random(0)
-    pool = PinnedRingBuffer(PoolSettings(device=DEV, num_slots=4, slot_bytes=1 << 16))
+    pool = PinnedRingBuffer(PoolSettings(device=DEV, num_slots=4, slot_bytes=1 << 18))
     seen = []
     for _ in range(1000):
         if rng.random() < 0.3:
