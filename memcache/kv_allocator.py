@@ -18,8 +18,8 @@ class TokenToKVPoolAllocator:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise AllocationError(f"'size' must be an int >= 1 (got {size!r})")
         self.size = size
-        self.device = torch.device(device)
-        self._free_slots = torch.arange(1, size + 1, dtype=torch.int64, device=self.device)
+        self._free_slots = torch.arange(1, size + 1, dtype=torch.int64, device=device)
+        self.device = self._free_slots.device  # resolved: "cuda" becomes "cuda:<current>"
 
     def available_size(self) -> int:
         return int(self._free_slots.shape[0])

@@ -28,8 +28,8 @@ class ReqToTokenPool:
     def __init__(self, size: int, max_context_len: int, device: torch.device | str) -> None:
         self.size = _check_int("size", size, 1)
         self.max_context_len = _check_int("max_context_len", max_context_len, 1)
-        self.device = torch.device(device)
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.device = self.req_to_token.device  # resolved: "cuda" becomes "cuda:<current>"
         self._free_rows: list[int] = list(range(size - 1, -1, -1))  # a stack: pop from the end
         self._row_is_free = bytearray(b"\x01" * size)
 

@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
     )
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.empty(0, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu")).device
     ctx = BenchContext(device, args.batch_sizes, args.iters, args.repeats, verbose=not args.quiet)
     workloads = registered_workloads()
     chosen = list(workloads) if args.workloads is None else args.workloads.split(",")
@@ -69,8 +69,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"pinpool bench on {device} ({name}), torch {torch.__version__}")
     tables: list[Table] = []
+    failed = []
     for workload in chosen:
-        for table in workloads[workload](ctx):
+        try:
+            produced = workloads[workload](ctx)
+        except Exception as exc:  # one broken workload must not hide the others' figures
+            failed.append(workload)
+            print(f"== {workload}: FAILED: {type(exc).__name__}: {exc}", flush=True)
+            continue
+        for table in produced:
             tables.append(table)
             print(table.render(), flush=True)
     if args.json is not None:
@@ -81,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "tables": [t.as_json() for t in tables],
         }
         args.json.write_text(json.dumps(payload, indent=2))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -145,6 +145,17 @@ class PinnedRingBuffer:
         self._retained = [[] for _ in self._retained]
         _log.info("pool.closed", device=str(self.device), **attrs.asdict(self._counters))
 
+    def __del__(self) -> None:
+        # A pool dropped without close() may still have copies and retained tensors in
+        # flight; wait for them so nothing it guards is freed early.
+        if getattr(self, "_closed", True) or getattr(self, "_open", None) is not None:
+            return
+        try:
+            for fence in self._fences:
+                fence.synchronize()  # sync-ok: finaliser of an unclosed pool, once
+        except Exception:  # interpreter shutdown: the CUDA context may already be gone
+            return
+
     def __enter__(self) -> PinnedRingBuffer:
         return self
 

@@ -23,7 +23,8 @@ export PYTHONUNBUFFERED=1
 } | tee "$OUT/device.txt"
 python3 -m pytest tests/gpu -q -p no:cacheprovider -rs --durations=8 2>&1 | tee "$OUT/gpu_tests.log"
 gpu_rc=${PIPESTATUS[0]}
-python3 -m pytest tests/unit -q -p no:cacheprovider 2>&1 | tee "$OUT/unit_tests.log" | tail -2
+# Unit tests run the Triton kernels through the interpreter on CPU tensors, as CI does.
+TRITON_INTERPRET=1 python3 -m pytest tests/unit -q -p no:cacheprovider 2>&1 | tee "$OUT/unit_tests.log" | tail -2
 unit_rc=${PIPESTATUS[0]}
 python3 -m pinpool.cli bench --json "$OUT/bench.json" "$@" 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}

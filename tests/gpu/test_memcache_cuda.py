@@ -77,7 +77,8 @@ def _free_prefixes_while_lagging(retain: bool, monkeypatch: pytest.MonkeyPatch) 
     expected = [t.cpu() for t in case["prefix_tensors"]]
     rtt = ReqToTokenPool(64, MAX_LEN, DEV)
     torch.cuda._sleep(SLEEP_CYCLES)  # the write kernel queues behind this
-    write_cache_indices(req_to_token_pool=rtt, pool=pool(), **case)
+    staging = pool()  # held: the pool owns the retained prefixes until its slot fence passes
+    write_cache_indices(req_to_token_pool=rtt, pool=staging, **case)
     sizes = [t.numel() for t in case["prefix_tensors"]]
     del case["prefix_tensors"]
     with torch.cuda.stream(side):  # without retain, these reuse the freed blocks at once
