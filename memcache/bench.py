@@ -42,20 +42,27 @@ def _baseline_kernel(
     row = tl.load(req_pool_indices + pid)
     prefix_len = tl.load(prefix_lens + pid)
     seq_len = tl.load(seq_lens + pid)
-    start = tl.cast(0, tl.int64)
-    for i in range(0, pid, BLOCK):  # every program re-sums the lengths before it: O(bs^2)
-        offs = i + tl.arange(0, BLOCK)
-        start += tl.sum(tl.load(extend_lens + offs, mask=offs < pid, other=0))
+    # sglang's design: each program walks extend_lens[0:pid] one element at a time, so
+    # the grid does O(bs^2) dependent loads.
+    start = tl.load(extend_lens) * 0
+    i = 0
+    while i < pid:
+        start += tl.load(extend_lens + i)
+        i += 1
     dst = req_to_token_ptr + row * row_stride
     prefix = tl.load(prefix_ptrs + pid).to(tl.pointer_type(tl.int32))
-    for off in range(0, prefix_len, BLOCK):
+    off = prefix_len * 0
+    while off < prefix_len:
         idx = off + tl.arange(0, BLOCK)
         mask = idx < prefix_len
         tl.store(dst + idx, tl.load(prefix + idx, mask=mask), mask=mask)
-    for off in range(0, seq_len - prefix_len, BLOCK):
+        off += BLOCK
+    off = prefix_len * 0
+    while off < seq_len - prefix_len:
         idx = off + tl.arange(0, BLOCK)
         mask = idx < seq_len - prefix_len
         tl.store(dst + prefix_len + idx, tl.load(out_cache_loc + start + idx, mask=mask).to(tl.int32), mask=mask)
+        off += BLOCK
 
 
 def make_case(bs: int, device: torch.device, seed: int = 0) -> dict[str, Any]:
@@ -145,7 +152,10 @@ def workload(ctx: BenchContext) -> list[Table]:
         else:
             rows.append((bs, float("nan"), ours, float("nan")))
     stats = pool.stats()
-    notes = [f"host µs per whole call incl. validation; pool made {stats.copies} copies for {stats.stages} calls"]
+    notes = [
+        f"host µs per whole call incl. validation; pool made {stats.copies} copies for {stats.stages} calls, "
+        f"{stats.stalls} stalls"
+    ]
     if not ctx.is_cuda:
         notes.append("CPU run: torch reference path, no kernel timing and no pinned baseline; run on a GPU for those")
     tables.append(

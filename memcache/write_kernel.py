@@ -38,16 +38,22 @@ def _write_req_to_token_kernel(
     dst = req_to_token_ptr + row * row_stride
     # An empty prefix stages address 0: the loop below never runs, so it is never read.
     prefix = prefix_addr.to(tl.pointer_type(tl.int32))
-    for off in range(0, prefix_len, BLOCK):
+    # while-loops, not range(runtime bound): Triton 3.6's interpreter cannot take a
+    # loaded value as a range bound, and the compiled code is the same.
+    off = prefix_len * 0
+    while off < prefix_len:
         idx = off + tl.arange(0, BLOCK)
         mask = idx < prefix_len
         tl.store(dst + idx, tl.load(prefix + idx, mask=mask), mask=mask)
+        off += BLOCK
     extend_len = seq_len - prefix_len
-    for off in range(0, extend_len, BLOCK):
+    off = prefix_len * 0
+    while off < extend_len:
         idx = off + tl.arange(0, BLOCK)
         mask = idx < extend_len
         slots = tl.load(out_cache_loc_ptr + start + idx, mask=mask)
         tl.store(dst + prefix_len + idx, slots.to(tl.int32), mask=mask)
+        off += BLOCK
 
 
 def launch_write_req_to_token(req_to_token: torch.Tensor, meta: torch.Tensor, out_cache_loc: torch.Tensor) -> None:

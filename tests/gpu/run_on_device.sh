@@ -28,6 +28,7 @@ TRITON_INTERPRET=1 python3 -m pytest tests/unit -q -p no:cacheprovider 2>&1 | te
 unit_rc=${PIPESTATUS[0]}
 python3 -m pinpool.cli bench --json "$OUT/bench.json" "$@" 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}
+if [ -n "${PINPOOL_PROFILE:-}" ]; then python3 tests/gpu/profile_hot_paths.py >"$OUT/profile.txt" 2>&1; fi
 echo
 echo "== summary ($(head -1 "$OUT/device.txt"), $(sed -n 2p "$OUT/device.txt"))"
 echo "gpu tests : rc=$gpu_rc  $(tail -1 "$OUT/gpu_tests.log")"
