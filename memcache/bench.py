@@ -69,14 +69,14 @@ def make_case(bs: int, device: torch.device, seed: int = 0) -> dict[str, Any]:
     rng = random.Random(seed)
     prefix = [rng.choice([0, rng.randint(1, 64)]) for _ in range(bs)]
     extend = [rng.randint(1, 8) for _ in range(bs)]
-    shared = torch.randint(1, 1 << 20, (64,), dtype=torch.int32, device=device)
     return {
         "out_cache_loc": torch.randint(1, 1 << 20, (sum(extend),), dtype=torch.int64, device=device),
         "req_pool_indices": list(range(bs)),
         "prefix_lens": prefix,
         "seq_lens": [p + e for p, e in zip(prefix, extend, strict=True)],
         "extend_lens": extend,
-        "prefix_tensors": [shared] * bs,
+        # One tensor per request, as a radix cache hands them out (no sharing to dedupe).
+        "prefix_tensors": [torch.randint(1, 1 << 20, (p,), dtype=torch.int32, device=device) for p in prefix],
     }
 
 

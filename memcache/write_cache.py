@@ -120,44 +120,64 @@ def _check_lengths(
             raise CacheIndexError(f"'out_cache_loc' must be empty for an empty batch (got {out_cache_loc.shape[0]})")
         return
     size, max_len = req_to_token_pool.size, req_to_token_pool.max_context_len
-    checks = (
-        ((rows < 0) | (rows >= size), "req_pool_indices", rows, f"must be in [0, {size})"),
-        (prefix < 0, "prefix_lens", prefix, "must be >= 0"),
-        (extend < 0, "extend_lens", extend, "must be >= 0"),
-        (seq - prefix != extend, "seq_lens", seq, "must equal prefix_len + extend_len"),
-        (seq > max_len, "seq_lens", seq, f"must be <= max_context_len {max_len}"),
-    )
-    for bad, name, values, rule in checks:
-        if bad.any():
-            i = _first_bad(bad)
-            raise CacheIndexError(f"'{name}' of request {i} {rule} (got {int(values[i])})")
+    # One combined mask first: the common, valid case pays one reduction, and only a
+    # failing batch goes through the per-rule checks that name the request and value.
+    bad_any = (rows < 0) | (rows >= size) | (prefix < 0) | (extend < 0) | (seq - prefix != extend) | (seq > max_len)
+    if bad_any.any():
+        checks = (
+            ((rows < 0) | (rows >= size), "req_pool_indices", rows, f"must be in [0, {size})"),
+            (prefix < 0, "prefix_lens", prefix, "must be >= 0"),
+            (extend < 0, "extend_lens", extend, "must be >= 0"),
+            (seq - prefix != extend, "seq_lens", seq, "must equal prefix_len + extend_len"),
+            (seq > max_len, "seq_lens", seq, f"must be <= max_context_len {max_len}"),
+        )
+        for bad, name, values, rule in checks:
+            if bad.any():
+                i = _first_bad(bad)
+                raise CacheIndexError(f"'{name}' of request {i} {rule} (got {int(values[i])})")
     total = int(extend.sum())
     if total != out_cache_loc.shape[0]:
         raise CacheIndexError(
             f"'out_cache_loc' must hold sum(extend_lens) = {total} slots (got {out_cache_loc.shape[0]})"
         )
-    if np.unique(rows).size != rows.size:
-        raise CacheIndexError("'req_pool_indices' must not repeat a row within one batch")
+    if rows.size > 1:
+        ordered = np.sort(rows)
+        if (ordered[1:] == ordered[:-1]).any():
+            raise CacheIndexError("'req_pool_indices' must not repeat a row within one batch")
 
 
 def _check_prefixes(
     prefix_tensors: Sequence[torch.Tensor], prefix: np.ndarray[Any, Any], device: torch.device
 ) -> list[int]:
-    """Check each prefix tensor the kernel will dereference; return their addresses."""
-    pointers = []
+    """Check each prefix tensor the kernel will dereference; return their addresses.
+
+    O(bs) Python on the hot path, so only cheap attribute reads, and a tensor shared by
+    several requests (a common system prompt) is checked once.
+    """
+    pointers: list[int] = []
+    append = pointers.append
     cuda, index = device.type == "cuda", device.index
+    seen: dict[int, tuple[int, int]] = {}  # id -> (address, length) of tensors checked in this call
     for i, (t, need) in enumerate(zip(prefix_tensors, prefix.tolist(), strict=True)):
         if need == 0:
-            pointers.append(0)  # never read: the kernel's prefix loop does not run
+            append(0)  # never read: the kernel's prefix loop does not run
             continue
-        # Cheap attribute checks (no torch.device objects): this loop is O(bs) on the hot path.
-        on_device = isinstance(t, torch.Tensor) and ((t.is_cuda and t.get_device() == index) if cuda else t.is_cpu)
-        if not on_device or t.dtype != torch.int32:
-            got = f"{t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise CacheIndexError(f"'prefix_tensors[{i}]' must be an int32 tensor on {device} (got {got})")
-        if t.dim() != 1 or not t.is_contiguous():
-            raise CacheIndexError(f"'prefix_tensors[{i}]' must be 1-D and contiguous (got shape {tuple(t.shape)})")
-        if t.shape[0] < need:
-            raise CacheIndexError(f"'prefix_tensors[{i}]' must hold prefix_len {need} indices (got {t.shape[0]})")
-        pointers.append(t.data_ptr())
+        known = seen.get(id(t))
+        if known is None:
+            known = seen[id(t)] = _check_prefix_tensor(i, t, cuda, index, device)
+        if known[1] < need:
+            raise CacheIndexError(f"'prefix_tensors[{i}]' must hold prefix_len {need} indices (got {known[1]})")
+        append(known[0])
     return pointers
+
+
+def _check_prefix_tensor(
+    i: int, t: torch.Tensor, cuda: bool, index: int | None, device: torch.device
+) -> tuple[int, int]:
+    on_device = isinstance(t, torch.Tensor) and ((t.is_cuda and t.get_device() == index) if cuda else t.is_cpu)
+    if not on_device or t.dtype is not torch.int32:
+        got = f"{t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise CacheIndexError(f"'prefix_tensors[{i}]' must be an int32 tensor on {device} (got {got})")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise CacheIndexError(f"'prefix_tensors[{i}]' must be 1-D and contiguous (got shape {tuple(t.shape)})")
+    return t.data_ptr(), len(t)

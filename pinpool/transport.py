@@ -91,6 +91,20 @@ class HostTransport:
         dst_device.fill_(byte)
 
 
+class _CudaFence(torch.cuda.Event):
+    """A CUDA event whose ``record(None)`` finds the current stream cheaply.
+
+    ``torch.cuda.Event.record()`` with no stream calls ``torch.cuda.current_stream()``,
+    which costs more host time than the rest of a stage's bookkeeping (measured with
+    cProfile on an H200 host, torch 2.11).
+    """
+
+    _transport: CudaTransport
+
+    def record(self, stream: Stream | None = None) -> None:
+        torch._C._CudaEventBase.record(self, self._transport.current_stream() if stream is None else stream)
+
+
 class CudaTransport:
     """Pinned host memory, a device mirror, CUDA events and stream-ordered copies."""
 
@@ -100,6 +114,18 @@ class CudaTransport:
         if device.type != "cuda":
             raise DeviceMismatchError(f"'device' must be a CUDA device for CudaTransport (got {device})")
         self.device = device
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self._current: torch.cuda.Stream | None = None
+
+    def current_stream(self) -> torch.cuda.Stream:
+        """The device's current stream, as ``torch.cuda.current_stream`` but without its Python overhead."""
+        stream_id, index, device_type = torch._C._cuda_getCurrentStream(self._index)
+        cached = self._current
+        if cached is None or cached.stream_id != stream_id:
+            cached = self._current = torch.cuda.Stream(  # type: ignore[no-untyped-call]
+                stream_id=stream_id, device_index=index, device_type=device_type
+            )
+        return cached
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         # Pin on behalf of this device's context so that, on a multi-GPU host, the
@@ -113,7 +139,9 @@ class CudaTransport:
     def new_fence(self) -> Fence:
         with torch.cuda.device(self.device):
             # Timing off: a timing event costs more to record and we never read times.
-            return torch.cuda.Event(enable_timing=False)  # type: ignore[no-untyped-call]
+            fence = _CudaFence(enable_timing=False)  # type: ignore[no-untyped-call]
+        fence._transport = self
+        return fence
 
     def check_stream(self, stream: Stream) -> None:
         if not isinstance(stream, torch.cuda.Stream):
@@ -133,7 +161,7 @@ class CudaTransport:
             dst_device.copy_(src_host, non_blocking=True)
 
     def stream_wait(self, waiter: Stream | None, fence: Fence) -> None:
-        target = torch.cuda.current_stream(self.device) if waiter is None else waiter
+        target = self.current_stream() if waiter is None else waiter
         target.wait_event(fence)  # type: ignore[arg-type]
 
     def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream | None) -> None:
