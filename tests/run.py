@@ -1,7 +1,7 @@
 """Make ./.venv with what pinpool needs, then run a command inside it.
 
-    python3 tests/venv.py pytest          # the test command (README, .ci/run)
-    python3 tests/venv.py pinpool bench   # the main job
+    python3 tests/run.py pytest          # the test command (README, .ci/run)
+    python3 tests/run.py pinpool bench   # the main job
 
 Needs only Python. On a machine without an NVIDIA driver it installs the CPU build of
 torch (about 200 MB) rather than the multi-GB CUDA build a plain ``pip install torch``
