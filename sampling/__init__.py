@@ -3,7 +3,7 @@
 from sampling.batch_info import RequestLike, SamplingBatchInfo, ScheduleBatchLike
 from sampling.exceptions import BatchMismatchError, SamplingParamError
 from sampling.params import DEFAULT_SEED, GREEDY_EPS, RECORD_DTYPE, TOP_K_ALL, SamplingParams
-from sampling.sampler import Sampler, filter_sorted_probs, hashed_uniform
+from sampling.sampler import Sampler, SamplingTensors, filter_sorted_probs, hashed_uniform
 
 __all__ = [
     "DEFAULT_SEED",
@@ -16,6 +16,7 @@ __all__ = [
     "SamplingBatchInfo",
     "SamplingParamError",
     "SamplingParams",
+    "SamplingTensors",
     "ScheduleBatchLike",
     "filter_sorted_probs",
     "hashed_uniform",

@@ -160,7 +160,7 @@ class SamplingBatchInfo:
                 f"'keep_device' must be shape ({keep.size},) on {self.records.device} "
                 f"(got {tuple(keep_device.shape)} on {keep_device.device})"
             )
-        self._check_lease()
+        self.check_live()
         self.records = self.records.view(-1, RECORD_BYTES).index_select(0, keep_device).view(-1)
         self.host_records = self.host_records[keep]
         if self.logit_bias is not None:
@@ -179,8 +179,8 @@ class SamplingBatchInfo:
             raise BatchMismatchError("'other.deterministic' must match this batch's deterministic setting")
         if other.records.device != self.records.device:
             raise BatchMismatchError(f"'other' must be on {self.records.device} (got {other.records.device})")
-        self._check_lease()
-        other._check_lease()
+        self.check_live()
+        other.check_live()
         if self.logit_bias is not None or other.logit_bias is not None:
             self.logit_bias = torch.cat([self._dense_bias(), other._dense_bias()])
         self.records = torch.cat([self.records, other.records])
@@ -202,7 +202,12 @@ class SamplingBatchInfo:
     def __len__(self) -> int:
         return len(self.host_records)
 
-    def _check_lease(self) -> None:
+    @property
+    def device(self) -> torch.device:
+        return self.records.device
+
+    def check_live(self) -> None:
+        """Raise ``StaleLeaseError`` if this batch's ring slot was recycled (owned batches never are)."""
         if self.lease is not None:
             self.lease.check_live("SamplingBatchInfo")
 

@@ -10,10 +10,36 @@ only on its own seed, position and probabilities, never on its batch neighbours.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from sampling.batch_info import SamplingBatchInfo
 from sampling.exceptions import BatchMismatchError
+
+
+class SamplingTensors(Protocol):
+    """What the sampler reads: ``SamplingBatchInfo`` or any batch with the same tensors."""
+
+    temperatures: torch.Tensor  # float32 [bs, 1]
+    top_ps: torch.Tensor  # float32 [bs]
+    top_ks: torch.Tensor  # int32 [bs]
+    min_ps: torch.Tensor  # float32 [bs]
+    sampling_seed: torch.Tensor | None  # int64 [bs]
+    logit_bias: torch.Tensor | None  # float32 [bs, vocab]
+    vocab_size: int
+    deterministic: bool
+    is_all_greedy: bool
+    need_top_p_sampling: bool
+    need_top_k_sampling: bool
+    need_min_p_sampling: bool
+
+    def __len__(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def check_live(self) -> None: ...
+
 
 # Odd 63-bit multipliers for the counter hash (int64 arithmetic wraps identically on
 # CPU and CUDA, so the noise is the same function on both).
@@ -45,7 +71,7 @@ def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def filter_sorted_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, torch.Tensor]:
+def filter_sorted_probs(probs: torch.Tensor, info: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort each row descending and zero what top-k, top-p and min-p exclude.
 
     Returns (filtered sorted probabilities, their token ids). The top token always
@@ -72,18 +98,18 @@ class Sampler:
         self.generator = generator
 
     def __call__(
-        self, logits: torch.Tensor, info: SamplingBatchInfo, positions: torch.Tensor | None = None
+        self, logits: torch.Tensor, info: SamplingTensors, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """int64 [bs] token ids. ``positions`` (int64 [bs]) is required when ``info.deterministic``."""
         bs = len(info)
         if logits.dim() != 2 or logits.shape != (bs, info.vocab_size):
             raise BatchMismatchError(f"'logits' must be shape ({bs}, {info.vocab_size}) (got {tuple(logits.shape)})")
-        if logits.device != info.records.device:
-            raise BatchMismatchError(f"'logits' must be on {info.records.device} (got {logits.device})")
+        if logits.device != info.device:
+            raise BatchMismatchError(f"'logits' must be on {info.device} (got {logits.device})")
         if info.deterministic and (positions is None or positions.shape != (bs,)):
             got = None if positions is None else tuple(positions.shape)
             raise BatchMismatchError(f"'positions' must be shape ({bs},) for deterministic sampling (got {got})")
-        info._check_lease()
+        info.check_live()
         logits = logits.float()
         if info.logit_bias is not None:
             logits = logits + info.logit_bias

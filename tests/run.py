@@ -21,8 +21,18 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 STAMP = VENV / ".pinpool-installed"
-# A CPU build that CPU machines install; the PyTorch CPU index serves it everywhere else.
-CPU_TORCH = ["torch==2.13.0+cpu", "--extra-index-url", "https://download.pytorch.org/whl/cpu"]
+# CPU builds of torch, tried in order: a wheel the machine's configured index or
+# find-links already carries (quick, no network), then the PyTorch CPU index.
+CPU_TORCH_ATTEMPTS = [
+    ["torch==2.13.0+cpu", "--retries", "0"],
+    [
+        "torch>=2.4",
+        "--index-url",
+        "https://download.pytorch.org/whl/cpu",
+        "--extra-index-url",
+        "https://pypi.org/simple",
+    ],
+]
 
 
 def has_nvidia_driver() -> bool:
@@ -31,8 +41,21 @@ def has_nvidia_driver() -> bool:
     )
 
 
-def pip(*args: str) -> None:
-    subprocess.run([str(BIN / "python"), "-m", "pip", "install", "-q", *args], check=True)
+def pip(*args: str, check: bool = True) -> bool:
+    done = subprocess.run([str(BIN / "python"), "-m", "pip", "install", "-q", *args], check=check)
+    return done.returncode == 0
+
+
+def install_torch() -> None:
+    if has_nvidia_driver():
+        print("[venv] installing torch (CUDA build)", flush=True)
+        pip("torch>=2.4")
+        return
+    for attempt in CPU_TORCH_ATTEMPTS:
+        print(f"[venv] installing torch (CPU build): pip install {' '.join(attempt)}", flush=True)
+        if pip(*attempt, check=False):
+            return
+    raise SystemExit("[venv] could not install a CPU build of torch")
 
 
 def ensure_venv() -> None:
@@ -44,8 +67,7 @@ def ensure_venv() -> None:
         venv.create(VENV, with_pip=True)
     probe = subprocess.run([str(BIN / "python"), "-c", "import torch"], capture_output=True)
     if probe.returncode != 0:
-        print("[venv] installing torch (" + ("CUDA" if has_nvidia_driver() else "CPU") + " build)", flush=True)
-        pip(*(["torch>=2.4"] if has_nvidia_driver() else CPU_TORCH))
+        install_torch()
     print("[venv] installing pinpool and its test tools", flush=True)
     pip("-e", f"{ROOT}[test]")
     STAMP.write_text(wanted)
