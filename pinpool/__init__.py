@@ -16,6 +16,7 @@ from pinpool.exceptions import (
     StaleLeaseError,
     ThreadOwnershipError,
 )
+from pinpool.readback import Readback
 from pinpool.ring import PinnedRingBuffer
 from pinpool.settings import OverflowPolicy, PoolSettings
 from pinpool.stage import Stage
@@ -33,6 +34,7 @@ __all__ = [
     "PoolSettings",
     "PoolStateError",
     "PoolStats",
+    "Readback",
     "SettingsError",
     "Stage",
     "StagingTypeError",

@@ -15,8 +15,9 @@ import attrs
 import torch
 
 from pinpool.encode import NUMPY_DTYPE, write
-from pinpool.exceptions import DeviceMismatchError, PoolStateError, ThreadOwnershipError
+from pinpool.exceptions import CapacityError, DeviceMismatchError, PoolStateError, ThreadOwnershipError
 from pinpool.log import get_logger
+from pinpool.readback import Readback
 from pinpool.settings import PoolSettings
 from pinpool.stage import Stage
 from pinpool.stats import Counters, PoolStats
@@ -115,6 +116,41 @@ class PinnedRingBuffer:
         st = Stage(self, slot, self._generation, stream, owned_device)
         self._open = st
         return st
+
+    def readback(self, src: torch.Tensor, *, stream: Stream | None = None) -> Readback:
+        """Copy the device tensor ``src`` into the next slot's pinned region; read it later.
+
+        Same slot discipline as a stage: the slot's fence is waited on (invariant 1) before
+        its host region is written, and recorded after the copy. The values stay readable
+        until the slot is recycled ``num_slots`` stages or readbacks later.
+        """
+        self._check_usable()
+        if stream is not None:
+            self._transport.check_stream(stream)
+        if src.device != self.device:
+            raise DeviceMismatchError(f"'src' must be on the pool's device {self.device} (got {src.device})")
+        if src.dtype not in NUMPY_DTYPE or not src.is_contiguous():
+            raise PoolStateError(f"'src' must be contiguous with a numpy dtype (got {src.dtype})")
+        nbytes = src.numel() * src.element_size()
+        if nbytes > self.settings.slot_bytes:
+            raise CapacityError(
+                f"'src' needs {nbytes} bytes but a slot holds {self.settings.slot_bytes}; raise PoolSettings.slot_bytes"
+            )
+        slot = self._next_slot
+        fence = self._fences[slot]
+        if not fence.query():  # invariant 1, as for a stage
+            self._stall(slot, fence)
+        self._retained[slot].clear()
+        self._generation += 1
+        self._slot_generation[slot] = self._generation
+        host = self._host_views[slot][src.dtype][: src.numel()]
+        self._transport.copy(self._host_slots[slot][:nbytes], src.reshape(-1).view(torch.uint8), stream)
+        fence.record(stream)
+        self._next_slot = (slot + 1) % self.settings.num_slots
+        counters = self._counters
+        counters.readbacks += 1
+        counters.bytes_read_back += nbytes
+        return Readback(self, slot, self._generation, fence, host.reshape(src.shape))
 
     def register_consumer_stream(self, stream: Stream) -> None:
         """Protect staged slices read on ``stream`` (design invariant 2).
@@ -279,6 +315,13 @@ class PinnedRingBuffer:
         if self.settings.debug:
             # Poison the recycled region so a stale raw view reads NaN / -1, not old data.
             self._transport.fill(self._device_slots[slot], _POISON_BYTE, stream)
+
+    def _readback_wait(self, fence: Fence) -> None:
+        start = time.perf_counter()
+        fence.synchronize()  # sync-ok: the caller asked for values whose copy is still queued
+        counters = self._counters
+        counters.readback_waits += 1
+        counters.readback_wait_seconds += time.perf_counter() - start
 
     def _stall(self, slot: int, fence: Fence) -> None:
         start = time.perf_counter()

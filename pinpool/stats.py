@@ -20,6 +20,10 @@ class Counters:
     owned_stages: int = 0
     host_allocations: int = 0
     device_allocations: int = 0
+    readbacks: int = 0
+    bytes_read_back: int = 0
+    readback_waits: int = 0
+    readback_wait_seconds: float = 0.0
 
 
 @attrs.frozen
@@ -29,6 +33,8 @@ class PoolStats:
     ``stalls`` and ``stall_seconds`` count the host waits of design invariant 1, the
     only host waits the pool ever makes; ``host_allocations`` counts pinned buffers
     the pool allocated (one at construction, plus one per spilled put).
+    ``readback_waits`` counts reads of a ``Readback`` whose copy had not landed yet: the
+    deliberate host wait of a device-to-host read, which an overlapped loop keeps at 0.
     """
 
     stages: int
@@ -42,6 +48,10 @@ class PoolStats:
     owned_stages: int
     host_allocations: int
     device_allocations: int
+    readbacks: int
+    bytes_read_back: int
+    readback_waits: int
+    readback_wait_seconds: float
 
     @classmethod
     def of(cls, counters: Counters) -> PoolStats:

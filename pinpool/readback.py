@@ -1,0 +1,47 @@
+"""``Readback``: device values brought back to a pinned slot, read when their fence has passed.
+
+The other direction of the ring: ``pool.readback(tensor)`` claims a slot like a stage,
+queues one device-to-pinned copy and records the slot's fence. The host reads the values
+later (a decode loop reads step N's tokens while the GPU runs step N+1), so the wait in
+``values()`` is normally already satisfied.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pinpool.exceptions import StaleLeaseError
+from pinpool.transport import Fence
+
+if TYPE_CHECKING:
+    from pinpool.ring import PinnedRingBuffer
+
+
+class Readback:
+    """A pending device-to-host copy into one ring slot."""
+
+    __slots__ = ("_fence", "_host", "_pool", "generation", "slot")
+
+    def __init__(self, pool: PinnedRingBuffer, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any]):
+        self._pool = pool
+        self.slot = slot
+        self.generation = generation
+        self._fence = fence
+        self._host = host
+
+    def ready(self) -> bool:
+        """True once the copy has landed (never blocks)."""
+        return self._fence.query()
+
+    def values(self) -> np.ndarray[Any, Any]:
+        """The copied values as a numpy array of their own (waits if the copy is still queued)."""
+        if self._pool._slot_generation[self.slot] != self.generation:
+            raise StaleLeaseError(
+                f"readback of generation {self.generation} (slot {self.slot}) was read after the slot was recycled; "
+                "read it within num_slots stages"
+            )
+        if not self._fence.query():
+            self._pool._readback_wait(self._fence)
+        return self._host.copy()
