@@ -1,0 +1,218 @@
+"""The reference decode loop: one pool per worker, staging in one of four modes.
+
+Each iteration launches one step (a prefill of newly admitted requests, else a decode of
+the running batch), queues the read-back of its tokens, and only then reads the previous
+step's tokens. The host therefore works on step N while the GPU runs step N+1; a request
+whose finish shows up in step N still rides along in step N+1 and that token is dropped.
+The schedule depends on iteration counts only, so every mode runs the same batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import attrs
+import torch
+
+from engine.baseline import PerFieldSamplingInfo, write_cache_per_field
+from engine.model import KVCache, ModelConfig, TinyDecoder
+from engine.readback import Pending, TokenReader
+from engine.requests import Request
+from engine.uploader import Mode, Uploader
+from memcache import ReqToTokenPool, TokenToKVPoolAllocator, allocate_extend, write_cache_indices
+from pinpool import PinnedRingBuffer, PoolSettings
+from sampling import Sampler, SamplingBatchInfo
+
+
+@attrs.frozen
+class EngineConfig:
+    max_running: int = 64
+    max_prefill_tokens: int = 4096
+    kv_slots: int = 1 << 16
+    #: Simulated model work per decode step, in GPU µs (torch.cuda._sleep); 0 = none.
+    gpu_work_us: float = 0.0
+    sleep_cycles_per_us: float = 1980.0  # measured by bench before use; ~SM clock in MHz
+
+
+@attrs.define
+class StepTimes:
+    decode_wall: list[float] = attrs.Factory(list)  # host seconds per decode iteration
+    gpu_events: list[tuple[Any, Any]] = attrs.Factory(list)  # (start, end) CUDA events per decode step
+
+
+class _Batch:
+    def __init__(self, reqs: list[Request], device: torch.device) -> None:
+        self.reqs, self.device = reqs, device
+
+
+class Engine:
+    def __init__(self, model_cfg: ModelConfig, mode: Mode, device: torch.device, cfg: EngineConfig) -> None:
+        self.cfg, self.model_cfg, self.mode, self.device = cfg, model_cfg, mode, device
+        self.pool = PinnedRingBuffer(PoolSettings(device=device, num_slots=8, slot_bytes=1 << 20))
+        self.uploader = Uploader(mode, device, self.pool)
+        self.reader = TokenReader(mode, self.pool)
+        self.model = TinyDecoder(model_cfg, device)
+        self.rtt = ReqToTokenPool(cfg.max_running + 1, model_cfg.max_context_len, device)
+        self.kv = TokenToKVPoolAllocator(cfg.kv_slots, device)
+        self.cache = KVCache(model_cfg, cfg.kv_slots, device)
+        self.sampler = Sampler()
+        self.prefix_cache: dict[int, torch.Tensor] = {}  # group -> int32 KV slots of its shared prefix
+        self.running: list[Request] = []
+        self.info: Any = None  # SamplingBatchInfo (pool) or PerFieldSamplingInfo
+        self.last_tokens: torch.Tensor | None = None  # int64 [len(running)]: each request's newest token
+        self.arange = torch.arange(cfg.max_running + 1, device=device)
+        self.times = StepTimes()
+        self.record_gpu = False
+
+    # -- the loop ----------------------------------------------------------------------
+    def run(self, requests: list[Request], max_iterations: int = 1_000_000) -> dict[int, list[int]]:
+        waiting = deque(sorted(requests, key=lambda r: r.arrival))
+        pending: tuple[Pending, list[Request]] | None = None
+        it = 0
+        while (waiting or self.running or pending) and it < max_iterations:
+            start = time.perf_counter()
+            admitted = self._admit(waiting, it)
+            launched: tuple[Pending, list[Request]] | None = None
+            decoded = False
+            if admitted:
+                launched = (self._prefill(admitted), admitted)
+            elif self.running:
+                launched = (self._decode(), list(self.running))
+                decoded = True
+            if pending is not None:
+                self._consume(*pending)
+            pending = launched
+            if decoded:
+                self.times.decode_wall.append(time.perf_counter() - start)
+            it += 1
+        return {r.rid: r.output for r in requests}
+
+    def _admit(self, waiting: deque[Request], it: int) -> list[Request]:
+        admitted: list[Request] = []
+        tokens = 0
+        while waiting and waiting[0].arrival <= it and len(self.running) + len(admitted) < self.cfg.max_running:
+            req = waiting[0]
+            need = len(req.prompt)
+            if admitted and tokens + need > self.cfg.max_prefill_tokens:
+                break
+            if self.rtt.available_size() <= len(admitted) or self.kv.available_size() < tokens + need + 64:
+                break
+            admitted.append(waiting.popleft())
+            tokens += need
+        return admitted
+
+    # -- steps -------------------------------------------------------------------------
+    def _prefill(self, reqs: list[Request]) -> Pending:
+        prefix_lens, prefix_tensors = [], []
+        for r in reqs:
+            cached = self.prefix_cache.get(r.prefix_group) if r.prefix_group is not None else None
+            prefix_lens.append(r.shared_len if cached is not None else 0)
+            prefix_tensors.append(cached if cached is not None else _EMPTY_PREFIX[self.device])
+        extend = [len(r.prompt) - p for r, p in zip(reqs, prefix_lens, strict=True)]
+        rows, out_cache_loc = allocate_extend(self.rtt, self.kv, len(reqs), sum(extend))
+        seq = [len(r.prompt) for r in reqs]
+        for r, row, p in zip(reqs, rows, prefix_lens, strict=True):
+            r.row, r.seq_len, r.owned_from = row, len(r.prompt), p
+        if self.mode == "pool":
+            write_cache_indices(out_cache_loc, rows, prefix_lens, seq, extend, prefix_tensors, self.rtt, self.pool)
+        else:
+            write_cache_per_field(
+                out_cache_loc, rows, prefix_lens, seq, extend, prefix_tensors, self.rtt, self.uploader
+            )
+        token_ids, positions, token_rows, last_index = [], [], [], []
+        for r, p in zip(reqs, prefix_lens, strict=True):
+            token_ids += r.prompt[p:]
+            positions += range(p, len(r.prompt))
+            token_rows += [r.row] * (len(r.prompt) - p)
+            last_index.append(len(token_ids) - 1)
+        tokens_d, positions_d, rows_d, last_d = self.uploader.upload(
+            "step",
+            [(token_ids, torch.int64), (positions, torch.int64), (token_rows, torch.int64), (last_index, torch.int64)],
+        )
+        logits = self.model.forward(
+            tokens_d, positions_d, rows_d, out_cache_loc, last_d, self.rtt.req_to_token, self.cache, max(seq)
+        )
+        info = self._sampling_info(reqs)
+        new_tokens = self.sampler(logits, info, positions_d[last_d])
+        for r in reqs:  # the first request of a group publishes its prefix's KV slots
+            if r.prefix_group is not None and r.prefix_group not in self.prefix_cache and r.owned_from == 0:
+                self.prefix_cache[r.prefix_group] = self.rtt.req_to_token[r.row, : r.shared_len].clone()
+                r.owned_from = r.shared_len  # those slots now belong to the cache
+        self.running += reqs
+        if self.info is None:
+            self.info, self.last_tokens = info, new_tokens
+        else:
+            assert self.last_tokens is not None
+            self.info.merge_batch(info)
+            self.last_tokens = torch.cat([self.last_tokens, new_tokens])
+        return self.reader.start(new_tokens)
+
+    def _decode(self) -> Pending:
+        reqs, bs = self.running, len(self.running)
+        out_cache_loc = self.kv.alloc(bs)
+        rows_d, positions_d = self.uploader.upload(
+            "step", [([r.row for r in reqs], torch.int64), ([r.seq_len for r in reqs], torch.int64)]
+        )
+        max_len = max(r.seq_len for r in reqs) + 1
+        for r in reqs:
+            r.seq_len += 1
+        if self.record_gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        self.rtt.req_to_token[rows_d, positions_d] = out_cache_loc.to(torch.int32)
+        if self.cfg.gpu_work_us:
+            torch.cuda._sleep(int(self.cfg.gpu_work_us * self.cfg.sleep_cycles_per_us))
+        assert self.last_tokens is not None
+        logits = self.model.forward(
+            self.last_tokens,
+            positions_d,
+            rows_d,
+            out_cache_loc,
+            self.arange[:bs],
+            self.rtt.req_to_token,
+            self.cache,
+            max_len,
+        )
+        self.last_tokens = self.sampler(logits, self.info, positions_d)
+        if self.record_gpu:
+            end.record()
+            self.times.gpu_events.append((start, end))
+        return self.reader.start(self.last_tokens)
+
+    def _sampling_info(self, reqs: list[Request]) -> Any:
+        if self.mode == "pool":
+            batch = _Batch(reqs, self.device)
+            return SamplingBatchInfo.from_schedule_batch(
+                batch, self.model_cfg.vocab_size, self.pool, owned=True, deterministic=True
+            )
+        return PerFieldSamplingInfo([r.sampling_params for r in reqs], self.model_cfg.vocab_size, self.uploader)
+
+    def _consume(self, read: Pending, reqs: list[Request]) -> None:
+        for r, token in zip(reqs, read(), strict=True):
+            r.accept(token)
+        keep = [i for i, r in enumerate(self.running) if not r.done]
+        if len(keep) == len(self.running):
+            return
+        for r in self.running:
+            if r.done:
+                self.kv.free(self.rtt.req_to_token[r.row, r.owned_from : r.seq_len].long())
+                self.rtt.free(r.row)
+        self.running = [self.running[i] for i in keep]
+        if not keep:
+            self.info, self.last_tokens = None, None
+            return
+        (keep_d,) = self.uploader.upload("filter", [(keep, torch.int64)])
+        self.info.filter_batch(keep, keep_d)
+        assert self.last_tokens is not None
+        self.last_tokens = self.last_tokens.index_select(0, keep_d)
+
+
+class _EmptyPrefixes(dict[torch.device, torch.Tensor]):
+    def __missing__(self, device: torch.device) -> torch.Tensor:
+        value = self[device] = torch.empty(0, dtype=torch.int32, device=device)
+        return value
+
+
+_EMPTY_PREFIX = _EmptyPrefixes()

@@ -1,0 +1,90 @@
+"""A tiny decoder with random weights whose attention reads its KV cache through
+``req_to_token`` rows and KV slot indices, so the cache metadata is really consumed.
+
+Not a real model: 2 layers, learned absolute positions, fixed seed. It exists to give
+the reference decode loop genuine GPU work that depends on every staged value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class ModelConfig:
+    vocab_size: int = 32_000
+    hidden: int = 256
+    layers: int = 2
+    heads: int = 4
+    ffn: int = 512
+    max_context_len: int = 512
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+class KVCache:
+    """K and V per layer for ``num_slots`` KV slots (slot 0 is the allocator's padding slot)."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, device: torch.device) -> None:
+        shape = (cfg.layers, num_slots + 1, cfg.heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device)
+        self.v = torch.zeros(shape, device=device)
+
+
+class TinyDecoder:
+    """forward(tokens, positions, token_rows, out_cache_loc, last_index) -> logits of the last tokens."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        gen = torch.Generator().manual_seed(cfg.seed)
+
+        def weight(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen) / math.sqrt(shape[0])).to(device)
+
+        h = cfg.hidden
+        self.embed = (torch.randn(cfg.vocab_size, h, generator=gen) * 0.5).to(device)
+        self.pos_embed = (torch.randn(cfg.max_context_len, h, generator=gen) * 0.1).to(device)
+        self.blocks = [
+            {"qkv": weight(h, 3 * h), "o": weight(h, h), "up": weight(h, cfg.ffn), "down": weight(cfg.ffn, h)}
+            for _ in range(cfg.layers)
+        ]
+        self.lm_head = weight(h, cfg.vocab_size) * 4.0  # sharper logits: sampling filters matter
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # int64 [T] input token ids
+        positions: torch.Tensor,  # int64 [T] their positions
+        token_rows: torch.Tensor,  # int64 [T] req_to_token row of each token's request
+        out_cache_loc: torch.Tensor,  # int64 [T] KV slot each token's K/V is written to
+        last_index: torch.Tensor,  # int64 [bs] index into T of each request's last token
+        req_to_token: torch.Tensor,  # int32 [rows, max_context_len]
+        cache: KVCache,
+        max_len: int,  # host int: longest sequence in the batch (bounds the gather)
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        x = self.embed[tokens] + self.pos_embed[positions]
+        # Every token attends to the KV slots of its request's row, positions 0..its own.
+        slots = req_to_token[token_rows, :max_len].long()  # [T, max_len]
+        visible = torch.arange(max_len, device=tokens.device)[None, :] <= positions[:, None]
+        for layer, w in enumerate(self.blocks):
+            q, k, v = (_rms(x) @ w["qkv"]).view(-1, 3, cfg.heads, cfg.head_dim).unbind(1)
+            cache.k[layer, out_cache_loc] = k
+            cache.v[layer, out_cache_loc] = v
+            keys, values = cache.k[layer][slots], cache.v[layer][slots]  # [T, max_len, heads, hd]
+            scores = torch.einsum("thd,tlhd->thl", q, keys) / math.sqrt(cfg.head_dim)
+            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+            attn = torch.einsum("thl,tlhd->thd", scores.softmax(-1), values).reshape(-1, cfg.hidden)
+            x = x + attn @ w["o"]
+            x = x + torch.nn.functional.gelu(_rms(x) @ w["up"]) @ w["down"]
+        return _rms(x[last_index]) @ self.lm_head
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)

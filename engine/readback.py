@@ -1,0 +1,72 @@
+"""Bringing a step's sampled tokens back to the host, per mode.
+
+The loop reads step N's tokens while the GPU runs step N+1, so every reader except
+``sync`` queues a device-to-pinned copy gated by an event and waits only if that event
+has not passed when the host finally reads (counted in ``waits``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.uploader import Mode
+from pinpool import PinnedRingBuffer
+
+Pending = Callable[[], list[int]]
+
+
+class TokenReader:
+    def __init__(self, mode: Mode, pool: PinnedRingBuffer) -> None:
+        self.mode = mode
+        self.pool = pool
+        self.waits = 0  # host waits that actually blocked (plus every sync-mode read)
+        self._cuda = pool.device.type == "cuda"
+        self._persistent: list[torch.Tensor] = []
+        self._flip = 0
+
+    def start(self, tokens: torch.Tensor) -> Pending:
+        """Queue the copy of ``tokens`` (int64 [n], device) now; the returned call reads it."""
+        if self.mode == "pool":
+            handle = self.pool.readback(tokens)
+
+            def read_pool() -> list[int]:
+                if not handle.ready():
+                    self.waits += 1
+                return handle.values().tolist()
+
+            return read_pool
+        if self.mode == "sync" or not self._cuda:
+
+            def read_sync() -> list[int]:
+                self.waits += self._cuda
+                return tokens.tolist()  # sync-ok: the naive pattern under comparison
+
+            return read_sync
+        n = tokens.numel()
+        if self.mode == "pinned":
+            host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        else:  # persistent: two buffers, so the one being read is never the one being written
+            self._flip ^= 1
+            if len(self._persistent) < 2 or self._persistent[self._flip].numel() < n:
+                self._grow(n)
+            host = self._persistent[self._flip][:n]
+        host.copy_(tokens, non_blocking=True)
+        event: Any = torch.cuda.Event()
+        event.record()
+
+        def read_event() -> list[int]:
+            if not event.query():
+                self.waits += 1
+                event.synchronize()  # sync-ok: the read of step N's tokens, normally already landed
+            return host.tolist()
+
+        return read_event
+
+    def _grow(self, n: int) -> None:
+        size = max(n, 256) * 2
+        while len(self._persistent) < 2:
+            self._persistent.append(torch.empty(size, dtype=torch.int64, pin_memory=True))
+        self._persistent[self._flip] = torch.empty(size, dtype=torch.int64, pin_memory=True)
