@@ -65,28 +65,40 @@ class Engine:
         self.arange = torch.arange(cfg.max_running + 1, device=device)
         self.times = StepTimes()
         self.record_gpu = False
+        self.waiting: deque[Request] = deque()
+        self.pending: tuple[Pending, list[Request]] | None = None
+        self.iteration = 0
 
     # -- the loop ----------------------------------------------------------------------
+    def submit(self, requests: list[Request]) -> None:
+        self.waiting.extend(sorted(requests, key=lambda r: r.arrival))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self.pending)
+
+    def step(self) -> str:
+        """One iteration: launch a prefill or a decode, then read the previous step's tokens."""
+        start = time.perf_counter()
+        admitted = self._admit(self.waiting, self.iteration)
+        launched: tuple[Pending, list[Request]] | None = None
+        kind = "idle"
+        if admitted:
+            launched, kind = (self._prefill(admitted), admitted), "prefill"
+        elif self.running:
+            launched, kind = (self._decode(), list(self.running)), "decode"
+        if self.pending is not None:
+            self._consume(*self.pending)
+        self.pending = launched
+        if kind == "decode":
+            self.times.decode_wall.append(time.perf_counter() - start)
+        self.iteration += 1
+        return kind
+
     def run(self, requests: list[Request], max_iterations: int = 1_000_000) -> dict[int, list[int]]:
-        waiting = deque(sorted(requests, key=lambda r: r.arrival))
-        pending: tuple[Pending, list[Request]] | None = None
-        it = 0
-        while (waiting or self.running or pending) and it < max_iterations:
-            start = time.perf_counter()
-            admitted = self._admit(waiting, it)
-            launched: tuple[Pending, list[Request]] | None = None
-            decoded = False
-            if admitted:
-                launched = (self._prefill(admitted), admitted)
-            elif self.running:
-                launched = (self._decode(), list(self.running))
-                decoded = True
-            if pending is not None:
-                self._consume(*pending)
-            pending = launched
-            if decoded:
-                self.times.decode_wall.append(time.perf_counter() - start)
-            it += 1
+        self.submit(requests)
+        while self.busy and self.iteration < max_iterations:
+            self.step()
         return {r.rid: r.output for r in requests}
 
     def _admit(self, waiting: deque[Request], it: int) -> list[Request]:
@@ -121,7 +133,10 @@ class Engine:
             write_cache_per_field(
                 out_cache_loc, rows, prefix_lens, seq, extend, prefix_tensors, self.rtt, self.uploader
             )
-        token_ids, positions, token_rows, last_index = [], [], [], []
+        token_ids: list[int] = []
+        positions: list[int] = []
+        token_rows: list[int] = []
+        last_index: list[int] = []
         for r, p in zip(reqs, prefix_lens, strict=True):
             token_ids += r.prompt[p:]
             positions += range(p, len(r.prompt))

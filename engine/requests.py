@@ -60,7 +60,7 @@ def make_requests(wl: Workload, vocab_size: int, *, rid_base: int = 0) -> list[R
             min_p=rng.choice([0.0, 0.05]),
             seed=rng.randrange(2**31),
             max_new_tokens=rng.randint(*wl.new_tokens),
-            stop_token_ids={rng.randrange(vocab_size)} if rng.random() < 0.3 else (),
+            stop_token_ids=[rng.randrange(vocab_size)] if rng.random() < 0.3 else [],
         )
         requests.append(
             Request(

@@ -35,6 +35,7 @@ class Uploader:
         self._pin = device.type == "cuda"
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # persistent: (site, field) -> pinned buffer
         self._events: dict[str, Any] = {}  # persistent: site -> event of its last copies
+        self.waits = 0  # persistent: event waits that actually blocked
 
     def upload(self, site: str, fields: Fields) -> list[torch.Tensor]:
         if self.mode == "pool":
@@ -51,7 +52,8 @@ class Uploader:
 
     def _persistent(self, site: str, fields: Fields) -> list[torch.Tensor]:
         event = self._events.get(site)
-        if event is not None:
+        if event is not None and not event.query():
+            self.waits += 1
             event.synchronize()  # sync-ok: the persistent pattern's one wait per site use
         out = []
         for i, (values, dtype) in enumerate(fields):

@@ -7,7 +7,7 @@ record; building a batch is then a join of those records and one memmove into th
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -106,6 +106,14 @@ def _to_bias(value: Mapping[int, float] | None) -> tuple[tuple[int, ...], tuple[
     return tuple(tokens), tuple(biases)
 
 
+def _to_token_set(value: Iterable[int]) -> frozenset[int]:
+    tokens = frozenset(value)
+    bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0]
+    if bad:
+        raise SamplingParamError(f"'stop_token_ids' must be ints >= 0 (got {bad[0]!r})")
+    return tokens
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """Sampling settings of one request, normalised at construction.
@@ -122,7 +130,7 @@ class SamplingParams:
     #: Sorted (token ids, biases); built from a {token id: bias} mapping.
     logit_bias: tuple[tuple[int, ...], tuple[float, ...]] | None = attrs.field(default=None, converter=_to_bias)
     max_new_tokens: int = attrs.field(default=128, validator=_check_max_new_tokens)
-    stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+    stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_to_token_set)
     record: bytes = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:

@@ -1,0 +1,182 @@
+"""The decode-loop workload of ``pinpool bench``: the reference engine in all four modes.
+
+Per mode: host µs per decode step (median iteration wall time in steady decode), GPU-idle
+share (CUDA events around each step's device work), tokens/s, and, from a separate
+counting pass of the same steps, syncs, copies and pinned allocations per decode step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from engine.loop import Engine, EngineConfig
+from engine.model import ModelConfig
+from engine.requests import Workload, make_requests
+from engine.uploader import MODES, Mode
+from pinpool.benchkit import BenchContext, Table, host_allocs
+
+WARM_STEPS = 3
+
+
+def sleep_cycles_per_us(device: torch.device) -> float:
+    """Calibrate torch.cuda._sleep: cycles per GPU µs on this device, right now."""
+    torch.cuda._sleep(1_000_000)  # warm the clocks
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()  # sync-ok: calibration, before any timed work
+    return 20_000_000 / (start.elapsed_time(end) * 1e3)
+
+
+def _engine(mode: Mode, device: torch.device, running: int, gpu_work_us: float, cycles: float) -> Engine:
+    cfg = EngineConfig(
+        max_running=running,
+        max_prefill_tokens=1 << 16,
+        kv_slots=running * 160 + 1024,
+        gpu_work_us=gpu_work_us,
+        sleep_cycles_per_us=cycles,
+    )
+    return Engine(ModelConfig(max_context_len=160), mode, device, cfg)
+
+
+def _requests(running: int, steps: int, seed: int) -> list[Any]:
+    wl = Workload(num_requests=running, arrival_gap=0, new_tokens=(steps, steps), greedy_share=0.25, seed=seed)
+    reqs = make_requests(wl, ModelConfig().vocab_size)
+    for r in reqs:  # steady decode: nobody stops early
+        r.sampling_params = type(r.sampling_params)(
+            temperature=r.sampling_params.temperature,
+            top_p=r.sampling_params.top_p,
+            top_k=r.sampling_params.top_k,
+            min_p=r.sampling_params.min_p,
+            seed=r.sampling_params.seed,
+            max_new_tokens=steps,
+        )
+    return reqs
+
+
+def measure(
+    ctx: BenchContext, mode: Mode, running: int, steps: int, gpu_work_us: float, cycles: float
+) -> dict[str, Any]:
+    cuda = ctx.is_cuda
+    engine = _engine(mode, ctx.device, running, gpu_work_us, cycles)
+    engine.record_gpu = cuda
+    reqs = _requests(running, steps, seed=1)
+    start = time.perf_counter()
+    outputs = engine.run(reqs)
+    ctx.synchronize()
+    wall = time.perf_counter() - start
+    decode = engine.times.decode_wall[WARM_STEPS:]
+    host_us = statistics.median(decode) * 1e6 if decode else float("nan")
+    idle = float("nan")
+    gpu_us = float("nan")
+    if cuda and decode:
+        gpu = [s.elapsed_time(e) * 1e3 for s, e in engine.times.gpu_events[WARM_STEPS:]]
+        gpu_us = statistics.median(gpu)
+        idle = max(0.0, 1.0 - sum(gpu) / (sum(decode) * 1e6))
+    counts = _count(ctx, mode, running, gpu_work_us, cycles) if cuda else {}
+    return {
+        "host_us": host_us,
+        "gpu_us": gpu_us,
+        "idle": idle,
+        "tokens_per_s": sum(len(v) for v in outputs.values()) / wall,
+        "outputs": outputs,
+        **counts,
+    }
+
+
+def _count(ctx: BenchContext, mode: Mode, running: int, gpu_work_us: float, cycles: float) -> dict[str, float]:
+    """Syncs, copies and pinned allocations per decode step, in a pass of its own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = _engine(mode, ctx.device, running, gpu_work_us, cycles)
+    engine.submit(_requests(running, 24, seed=2))
+    while engine.step() != "decode" or engine.iteration < WARM_STEPS + 2:
+        pass
+    ctx.synchronize()
+    steps = 8
+    waits_before = engine.reader.waits + engine.uploader.waits
+    allocs_before = host_allocs()
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught, profile(activities=[ProfilerActivity.CPU]) as prof:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                assert engine.step() == "decode"
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    implicit = sum(1 for w in caught if "synchroniz" in str(w.message))
+    explicit = engine.reader.waits + engine.uploader.waits - waits_before
+    copies = sum(1 for e in prof.events() if e.name.startswith("cudaMemcpy"))
+    while engine.busy:
+        engine.step()
+    return {
+        "syncs": (implicit + explicit) / steps,
+        "copies": copies / steps,
+        "pinned_allocs": (host_allocs() - allocs_before) / steps,
+    }
+
+
+def workload(ctx: BenchContext) -> list[Table]:
+    cuda = ctx.is_cuda
+    sizes = (64, 256) if cuda else (8,)
+    steps = 48 if cuda else 12
+    cycles = sleep_cycles_per_us(ctx.device) if cuda else 0.0
+    tables = []
+    runs = [(running, 0.0) for running in sizes] + ([(64, 1000.0)] if cuda else [])
+    for running, work in runs:
+        rows = []
+        streams: dict[str, Any] = {}
+        for mode in MODES:
+            ctx.progress(f"decode loop running={running} gpu_work={work:.0f}us mode={mode}")
+            m = measure(ctx, mode, running, steps, work, cycles)
+            streams[mode] = m["outputs"]
+            rows.append(
+                (
+                    mode,
+                    m["host_us"],
+                    m["gpu_us"],
+                    m["idle"],
+                    m["tokens_per_s"],
+                    m.get("syncs", float("nan")),
+                    m.get("copies", float("nan")),
+                    m.get("pinned_allocs", float("nan")),
+                )
+            )
+        same = all(streams[m] == streams["sync"] for m in MODES)
+        pinned = next(r for r in rows if r[0] == "pinned")[1]
+        pool = next(r for r in rows if r[0] == "pool")[1]
+        notes = [
+            f"{running} running requests, {steps} new tokens each, seeded sampling; medians over decode steps "
+            f"after {WARM_STEPS} warm-up steps; token streams identical across modes: {same}",
+            f"pool host µs / pinned host µs = {pool / pinned:.2f}",
+        ]
+        if work:
+            notes.append(
+                f"GPU-bound: {work:.0f} µs of simulated model work per step (torch.cuda._sleep, "
+                f"{cycles:.0f} cycles/µs); step µs / GPU µs shows the host's overhead on top"
+            )
+        if not cuda:
+            notes.append(
+                "CPU run: no syncs, async copies, pinned memory or GPU time exist here; only host µs and "
+                "the identical-streams check mean anything"
+            )
+        title = f"decode loop: {running} running" + (f", {work:.0f} µs GPU work per step" if work else "")
+        columns = (
+            "mode",
+            "step µs",
+            "GPU µs",
+            "GPU idle",
+            "tokens/s",
+            "syncs/step",
+            "copies/step",
+            "pinned allocs/step",
+        )
+        tables.append(Table(title, columns, tuple(rows), tuple(notes)))
+    return tables
