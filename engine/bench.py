@@ -125,15 +125,16 @@ def _count(ctx: BenchContext, mode: Mode, running: int, gpu_work_us: float, cycl
 
 def workload(ctx: BenchContext) -> list[Table]:
     cuda = ctx.is_cuda
-    sizes = (64, 256) if cuda else (8,)
-    steps = 48 if cuda else 12
+    sizes = ctx.running or ((64, 256) if cuda else (8,))
+    steps = ctx.steps or (48 if cuda else 12)
+    modes = [m for m in MODES if m in ctx.modes]
     cycles = sleep_cycles_per_us(ctx.device) if cuda else 0.0
     tables = []
-    runs = [(running, 0.0) for running in sizes] + ([(64, 1000.0)] if cuda else [])
+    runs = [(running, 0.0) for running in sizes] + ([(sizes[0], 1000.0)] if cuda else [])
     for running, work in runs:
         rows = []
         streams: dict[str, Any] = {}
-        for mode in MODES:
+        for mode in modes:
             ctx.progress(f"decode loop running={running} gpu_work={work:.0f}us mode={mode}")
             m = measure(ctx, mode, running, steps, work, cycles)
             streams[mode] = m["outputs"]
@@ -149,9 +150,9 @@ def workload(ctx: BenchContext) -> list[Table]:
                     m.get("pinned_allocs", float("nan")),
                 )
             )
-        same = all(streams[m] == streams["sync"] for m in MODES)
-        pinned = next(r for r in rows if r[0] == "pinned")[1]
-        pool = next(r for r in rows if r[0] == "pool")[1]
+        same = all(streams[m] == streams["pool"] for m in modes)
+        pinned = next((r[1] for r in rows if r[0] == "pinned"), float("nan"))
+        pool = next(r[1] for r in rows if r[0] == "pool")
         notes = [
             f"{running} running requests, {steps} new tokens each, seeded sampling; medians over decode steps "
             f"after {WARM_STEPS} warm-up steps; token streams identical across modes: {same}",

@@ -30,6 +30,9 @@ from sampling import Sampler, SamplingBatchInfo
 class EngineConfig:
     max_running: int = 64
     max_prefill_tokens: int = 4096
+    #: Decode steps the running batch gets between two prefills, so a steady stream of
+    #: arrivals cannot starve it (each prefill then takes every request that arrived).
+    decodes_between_prefills: int = 2
     kv_slots: int = 1 << 16
     #: Simulated model work per decode step, in GPU µs (torch.cuda._sleep); 0 = none.
     gpu_work_us: float = 0.0
@@ -68,10 +71,17 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.pending: tuple[Pending, list[Request]] | None = None
         self.iteration = 0
+        self.decodes_since_prefill = 0
+        self.submitted: list[Request] = []
 
     # -- the loop ----------------------------------------------------------------------
     def submit(self, requests: list[Request]) -> None:
         self.waiting.extend(sorted(requests, key=lambda r: r.arrival))
+        self.submitted.extend(requests)
+
+    @property
+    def finished_outputs(self) -> dict[int, list[int]]:
+        return {r.rid: r.output for r in self.submitted}
 
     @property
     def busy(self) -> bool:
@@ -80,13 +90,16 @@ class Engine:
     def step(self) -> str:
         """One iteration: launch a prefill or a decode, then read the previous step's tokens."""
         start = time.perf_counter()
-        admitted = self._admit(self.waiting, self.iteration)
+        may_prefill = not self.running or self.decodes_since_prefill >= self.cfg.decodes_between_prefills
+        admitted = self._admit(self.waiting, self.iteration) if may_prefill else []
         launched: tuple[Pending, list[Request]] | None = None
         kind = "idle"
         if admitted:
             launched, kind = (self._prefill(admitted), admitted), "prefill"
+            self.decodes_since_prefill = 0
         elif self.running:
             launched, kind = (self._decode(), list(self.running)), "decode"
+            self.decodes_since_prefill += 1
         if self.pending is not None:
             self._consume(*self.pending)
         self.pending = launched

@@ -76,7 +76,7 @@ def make_step(mode: str, bs: int, device: torch.device, pool: PinnedRingBuffer |
 
 def workload(ctx: BenchContext) -> list[Table]:
     pool = PinnedRingBuffer(PoolSettings(device=ctx.device, num_slots=8, slot_bytes=1 << 20))
-    modes = [m for m in MODES if ctx.is_cuda or m not in ("pinned",)]
+    modes = [m for m in MODES if m in ctx.modes and (ctx.is_cuda or m != "pinned")]
     rows = []
     for bs in ctx.batch_sizes:
         ctx.progress(f"staging bs={bs}")
@@ -87,7 +87,7 @@ def workload(ctx: BenchContext) -> list[Table]:
             before = host_allocs()
             us[mode] = host_us_per_call(ctx, step)
             allocs[mode] = host_allocs() - before
-        base = us.get("pinned", us["sync"])
+        base = us.get("pinned", us.get("sync", float("nan")))
         rows.append(
             (bs, *(us.get(m, float("nan")) for m in MODES), base / us["pool"], *(allocs.get(m, 0) for m in MODES))
         )
@@ -97,7 +97,7 @@ def workload(ctx: BenchContext) -> list[Table]:
         f"host µs per stage of 5 fields {[str(d).removeprefix('torch.') for d in FIELDS]}, median of "
         f"{ctx.repeats} blocks of {ctx.iters} stages; pool made {stats.copies} copies in {stats.stages} stages, "
         f"{stats.stalls} stalls",
-        "speedup = pinned / pool (sync / pool on CPU)",
+        "speedup = pinned / pool (sync / pool on CPU); modes not run show nan",
     ]
     if not ctx.is_cuda:
         notes.append(

@@ -24,6 +24,11 @@ class BenchContext:
     repeats: int = 5
     #: Print progress lines to stderr (long runs); tables go to stdout.
     verbose: bool = True
+    #: Staging modes to run (workloads skip the ones they cannot show on this device).
+    modes: tuple[str, ...] = ("sync", "pinned", "persistent", "pool")
+    #: Decode-loop settings: new tokens per request and running-batch sizes (None: defaults).
+    steps: int | None = None
+    running: tuple[int, ...] | None = None
 
     @property
     def is_cuda(self) -> bool:

@@ -46,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--iters", type=int, default=200, help="timed calls per block")
     bench.add_argument("--repeats", type=int, default=5, help="blocks; the median block is reported")
     bench.add_argument("--workloads", default=None, help="comma-separated subset of the registered workloads")
+    bench.add_argument("--modes", default="sync,pinned,persistent,pool", help="staging modes to compare")
+    bench.add_argument("--steps", type=int, default=None, help="decode loop: new tokens per request")
+    bench.add_argument("--running", type=_ints, default=None, help="decode loop: running-batch sizes, e.g. 64,256")
     bench.add_argument("--json", type=Path, default=None, help="also write the tables as JSON to this file")
+    bench.add_argument("--plot", type=Path, default=None, help="draw host µs against batch size per mode (PNG)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser
 
@@ -59,7 +63,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
     )
     device = torch.empty(0, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu")).device
-    ctx = BenchContext(device, args.batch_sizes, args.iters, args.repeats, verbose=not args.quiet)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    bad = [m for m in modes if m not in ("sync", "pinned", "persistent", "pool")]
+    if bad or "pool" not in modes:
+        print(
+            f"--modes must list modes of sync,pinned,persistent,pool and include pool (got {args.modes})",
+            file=sys.stderr,
+        )
+        return 2
+    ctx = BenchContext(
+        device,
+        args.batch_sizes,
+        args.iters,
+        args.repeats,
+        verbose=not args.quiet,
+        modes=modes,
+        steps=args.steps,
+        running=args.running,
+    )
     workloads = registered_workloads()
     chosen = list(workloads) if args.workloads is None else args.workloads.split(",")
     unknown = [w for w in chosen if w not in workloads]
@@ -88,6 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "tables": [t.as_json() for t in tables],
         }
         args.json.write_text(json.dumps(payload, indent=2))
+    if args.plot is not None:
+        from pinpool.plot import plot_tables
+
+        plot_tables(tables, args.plot, f"{name}, torch {torch.__version__}")
     return 1 if failed else 0
 
 
