@@ -103,7 +103,8 @@ def _count(ctx: BenchContext, mode: Mode, running: int, gpu_work_us: float, cycl
     waits_before = engine.reader.waits + engine.uploader.waits
     allocs_before = host_allocs()
     previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught, profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]  # CUDA: runtime calls such as cudaMemcpyAsync
+    with warnings.catch_warnings(record=True) as caught, profile(activities=activities) as prof:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
