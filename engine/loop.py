@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from engine.baseline import PerFieldSamplingInfo, write_cache_per_field
-from engine.model import KVCache, ModelConfig, TinyDecoder
+from engine.model import KVCache, ModelConfig, SleepModel, TinyDecoder
 from engine.readback import Pending, TokenReader
 from engine.requests import Request
 from engine.uploader import Mode, Uploader
@@ -34,7 +34,10 @@ class EngineConfig:
     #: arrivals cannot starve it (each prefill then takes every request that arrived).
     decodes_between_prefills: int = 2
     kv_slots: int = 1 << 16
-    #: Simulated model work per decode step, in GPU µs (torch.cuda._sleep); 0 = none.
+    #: Replace the tiny model by ``SleepModel``: each forward is gpu_work_us of GPU sleep.
+    simulated_model: bool = False
+    #: GPU µs of simulated work per forward (torch.cuda._sleep); with the tiny model it is
+    #: added on top of the model's own kernels. 0 = none.
     gpu_work_us: float = 0.0
     sleep_cycles_per_us: float = 1980.0  # measured by bench before use; ~SM clock in MHz
 
@@ -42,6 +45,7 @@ class EngineConfig:
 @attrs.define
 class StepTimes:
     decode_wall: list[float] = attrs.Factory(list)  # host seconds per decode iteration
+    decode_staging: list[float] = attrs.Factory(list)  # of which: metadata staging and read-back
     gpu_events: list[tuple[Any, Any]] = attrs.Factory(list)  # (start, end) CUDA events per decode step
 
 
@@ -56,7 +60,12 @@ class Engine:
         self.pool = PinnedRingBuffer(PoolSettings(device=device, num_slots=8, slot_bytes=1 << 20))
         self.uploader = Uploader(mode, device, self.pool)
         self.reader = TokenReader(mode, self.pool)
-        self.model = TinyDecoder(model_cfg, device)
+        cycles = int(cfg.gpu_work_us * cfg.sleep_cycles_per_us)
+        self.model: TinyDecoder | SleepModel = (
+            SleepModel(model_cfg, device, cycles) if cfg.simulated_model else TinyDecoder(model_cfg, device)
+        )
+        self.extra_cycles = 0 if cfg.simulated_model else cycles
+        self.staging = StagingClock()
         self.rtt = ReqToTokenPool(cfg.max_running + 1, model_cfg.max_context_len, device)
         self.kv = TokenToKVPoolAllocator(cfg.kv_slots, device)
         self.cache = KVCache(model_cfg, cfg.kv_slots, device)
@@ -90,6 +99,7 @@ class Engine:
     def step(self) -> str:
         """One iteration: launch a prefill or a decode, then read the previous step's tokens."""
         start = time.perf_counter()
+        staged_before = self.staging.total
         may_prefill = not self.running or self.decodes_since_prefill >= self.cfg.decodes_between_prefills
         admitted = self._admit(self.waiting, self.iteration) if may_prefill else []
         launched: tuple[Pending, list[Request]] | None = None
@@ -105,6 +115,7 @@ class Engine:
         self.pending = launched
         if kind == "decode":
             self.times.decode_wall.append(time.perf_counter() - start)
+            self.times.decode_staging.append(self.staging.total - staged_before)
         self.iteration += 1
         return kind
 
@@ -140,12 +151,13 @@ class Engine:
         seq = [len(r.prompt) for r in reqs]
         for r, row, p in zip(reqs, rows, prefix_lens, strict=True):
             r.row, r.seq_len, r.owned_from = row, len(r.prompt), p
-        if self.mode == "pool":
-            write_cache_indices(out_cache_loc, rows, prefix_lens, seq, extend, prefix_tensors, self.rtt, self.pool)
-        else:
-            write_cache_per_field(
-                out_cache_loc, rows, prefix_lens, seq, extend, prefix_tensors, self.rtt, self.uploader
-            )
+        with self.staging:
+            if self.mode == "pool":
+                write_cache_indices(out_cache_loc, rows, prefix_lens, seq, extend, prefix_tensors, self.rtt, self.pool)
+            else:
+                write_cache_per_field(
+                    out_cache_loc, rows, prefix_lens, seq, extend, prefix_tensors, self.rtt, self.uploader
+                )
         token_ids: list[int] = []
         positions: list[int] = []
         token_rows: list[int] = []
@@ -155,14 +167,21 @@ class Engine:
             positions += range(p, len(r.prompt))
             token_rows += [r.row] * (len(r.prompt) - p)
             last_index.append(len(token_ids) - 1)
-        tokens_d, positions_d, rows_d, last_d = self.uploader.upload(
-            "step",
-            [(token_ids, torch.int64), (positions, torch.int64), (token_rows, torch.int64), (last_index, torch.int64)],
-        )
+        with self.staging:
+            tokens_d, positions_d, rows_d, last_d = self.uploader.upload(
+                "step",
+                [
+                    (token_ids, torch.int64),
+                    (positions, torch.int64),
+                    (token_rows, torch.int64),
+                    (last_index, torch.int64),
+                ],
+            )
         logits = self.model.forward(
             tokens_d, positions_d, rows_d, out_cache_loc, last_d, self.rtt.req_to_token, self.cache, max(seq)
         )
-        info = self._sampling_info(reqs)
+        with self.staging:
+            info = self._sampling_info(reqs)
         new_tokens = self.sampler(logits, info, positions_d[last_d])
         for r in reqs:  # the first request of a group publishes its prefix's KV slots
             if r.prefix_group is not None and r.prefix_group not in self.prefix_cache and r.owned_from == 0:
@@ -173,16 +192,19 @@ class Engine:
             self.info, self.last_tokens = info, new_tokens
         else:
             assert self.last_tokens is not None
-            self.info.merge_batch(info)
+            with self.staging:
+                self.info.merge_batch(info)
             self.last_tokens = torch.cat([self.last_tokens, new_tokens])
-        return self.reader.start(new_tokens)
+        with self.staging:
+            return self.reader.start(new_tokens)
 
     def _decode(self) -> Pending:
         reqs, bs = self.running, len(self.running)
         out_cache_loc = self.kv.alloc(bs)
-        rows_d, positions_d = self.uploader.upload(
-            "step", [([r.row for r in reqs], torch.int64), ([r.seq_len for r in reqs], torch.int64)]
-        )
+        with self.staging:
+            rows_d, positions_d = self.uploader.upload(
+                "step", [([r.row for r in reqs], torch.int64), ([r.seq_len for r in reqs], torch.int64)]
+            )
         max_len = max(r.seq_len for r in reqs) + 1
         for r in reqs:
             r.seq_len += 1
@@ -190,8 +212,8 @@ class Engine:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         self.rtt.req_to_token[rows_d, positions_d] = out_cache_loc.to(torch.int32)
-        if self.cfg.gpu_work_us:
-            torch.cuda._sleep(int(self.cfg.gpu_work_us * self.cfg.sleep_cycles_per_us))
+        if self.extra_cycles:
+            torch.cuda._sleep(self.extra_cycles)
         assert self.last_tokens is not None
         logits = self.model.forward(
             self.last_tokens,
@@ -207,7 +229,8 @@ class Engine:
         if self.record_gpu:
             end.record()
             self.times.gpu_events.append((start, end))
-        return self.reader.start(self.last_tokens)
+        with self.staging:
+            return self.reader.start(self.last_tokens)
 
     def _sampling_info(self, reqs: list[Request]) -> Any:
         if self.mode == "pool":
@@ -218,7 +241,9 @@ class Engine:
         return PerFieldSamplingInfo([r.sampling_params for r in reqs], self.model_cfg.vocab_size, self.uploader)
 
     def _consume(self, read: Pending, reqs: list[Request]) -> None:
-        for r, token in zip(reqs, read(), strict=True):
+        with self.staging:
+            tokens = read()
+        for r, token in zip(reqs, tokens, strict=True):
             r.accept(token)
         keep = [i for i, r in enumerate(self.running) if not r.done]
         if len(keep) == len(self.running):
@@ -231,10 +256,27 @@ class Engine:
         if not keep:
             self.info, self.last_tokens = None, None
             return
-        (keep_d,) = self.uploader.upload("filter", [(keep, torch.int64)])
-        self.info.filter_batch(keep, keep_d)
+        with self.staging:
+            (keep_d,) = self.uploader.upload("filter", [(keep, torch.int64)])
+            self.info.filter_batch(keep, keep_d)
         assert self.last_tokens is not None
         self.last_tokens = self.last_tokens.index_select(0, keep_d)
+
+
+class StagingClock:
+    """Accumulates host seconds spent moving metadata (uploads, batch builds, read-backs)."""
+
+    __slots__ = ("_start", "total")
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._start = 0.0
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.total += time.perf_counter() - self._start
 
 
 class _EmptyPrefixes(dict[torch.device, torch.Tensor]):

@@ -88,3 +88,34 @@ class TinyDecoder:
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class SleepModel:
+    """A stand-in for a model whose step is GPU-bound: one sleep kernel, then logits from a table.
+
+    Used to time the loop's overhead against a known amount of GPU work (``pinpool bench``'s
+    GPU-bound row); it still reads the staged tokens and positions.
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, sleep_cycles: int) -> None:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        self.table = (torch.randn(1024, cfg.vocab_size, generator=gen) * 4.0).to(device)
+        self.sleep_cycles = sleep_cycles
+        self.cuda = device.type == "cuda"
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        token_rows: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        last_index: torch.Tensor,
+        req_to_token: torch.Tensor,
+        cache: KVCache,
+        max_len: int,
+    ) -> torch.Tensor:
+        if self.cuda and self.sleep_cycles:
+            torch.cuda._sleep(self.sleep_cycles)
+        key = (tokens[last_index] * 7 + positions[last_index]) % self.table.shape[0]
+        return self.table[key]

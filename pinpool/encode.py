@@ -116,7 +116,7 @@ def write_list(dst: np.ndarray[Any, Any], src: Any, target: torch.dtype, name: s
             raise StagingValueError(f"'{name}' must hold only numbers ({exc})") from exc
         # Narrowing can overflow to inf silently. A finite sum proves every element is
         # finite (cheaper than isfinite().all()); otherwise re-check the source exactly.
-        if dst.dtype.itemsize < 8 and not math.isfinite(np.add.reduce(dst)):
+        if dst.dtype.itemsize < 8 and not math.isfinite(np.add.reduce(dst, dtype=np.float64)):
             _check_float_range(np.asarray(src, dtype=np.float64), dst.dtype, name)
         return
     if kind in "iu":

@@ -41,7 +41,7 @@ def test_pool_decode_steps_make_no_host_sync_and_read_only_landed_tokens() -> No
 def test_pinned_allocations_flat_over_1000_decode_steps() -> None:
     """Catches per-step pinned allocations creeping back into the pool-mode loop."""
     engine = Engine(CFG, "pool", DEV, EngineConfig(max_running=32))
-    engine.submit(make_requests(Workload(num_requests=400, arrival_gap=2.5, seed=5), CFG.vocab_size))
+    engine.submit(make_requests(Workload(num_requests=1200, arrival_gap=1.5, seed=5), CFG.vocab_size))
     decodes = 0
     while decodes < 50:
         decodes += engine.step() == "decode"
