@@ -46,6 +46,7 @@ class EngineConfig:
 class StepTimes:
     decode_wall: list[float] = attrs.Factory(list)  # host seconds per decode iteration
     decode_staging: list[float] = attrs.Factory(list)  # of which: metadata staging and read-back
+    decode_gpu_wait: list[float] = attrs.Factory(list)  # of which: waiting for the GPU (backpressure, reads)
     gpu_events: list[tuple[Any, Any]] = attrs.Factory(list)  # (start, end) CUDA events per decode step
 
 
@@ -92,6 +93,11 @@ class Engine:
     def finished_outputs(self) -> dict[int, list[int]]:
         return {r.rid: r.output for r in self.submitted}
 
+    def gpu_wait_seconds(self) -> float:
+        """Host seconds spent waiting for the GPU inside staging (ring stalls, blocked reads)."""
+        stats = self.pool.stats()
+        return stats.stall_seconds + stats.readback_wait_seconds + self.uploader.wait_seconds + self.reader.wait_seconds
+
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.running or self.pending)
@@ -99,7 +105,7 @@ class Engine:
     def step(self) -> str:
         """One iteration: launch a prefill or a decode, then read the previous step's tokens."""
         start = time.perf_counter()
-        staged_before = self.staging.total
+        staged_before, waited_before = self.staging.total, self.gpu_wait_seconds()
         may_prefill = not self.running or self.decodes_since_prefill >= self.cfg.decodes_between_prefills
         admitted = self._admit(self.waiting, self.iteration) if may_prefill else []
         launched: tuple[Pending, list[Request]] | None = None
@@ -116,6 +122,7 @@ class Engine:
         if kind == "decode":
             self.times.decode_wall.append(time.perf_counter() - start)
             self.times.decode_staging.append(self.staging.total - staged_before)
+            self.times.decode_gpu_wait.append(self.gpu_wait_seconds() - waited_before)
         self.iteration += 1
         return kind
 

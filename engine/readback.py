@@ -7,6 +7,7 @@ has not passed when the host finally reads (counted in ``waits``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,7 @@ class TokenReader:
         self.mode = mode
         self.pool = pool
         self.waits = 0  # host waits that actually blocked (plus every sync-mode read)
+        self.wait_seconds = 0.0
         self._cuda = pool.device.type == "cuda"
         self._persistent: list[torch.Tensor] = []
         self._flip = 0
@@ -33,16 +35,23 @@ class TokenReader:
             handle = self.pool.readback(tokens)
 
             def read_pool() -> list[int]:
-                if not handle.ready():
-                    self.waits += 1
-                return handle.values().tolist()
+                if handle.ready():
+                    return handle.values().tolist()
+                self.waits += 1
+                start = time.perf_counter()
+                values = handle.values()
+                self.wait_seconds += time.perf_counter() - start
+                return values.tolist()
 
             return read_pool
         if self.mode == "sync" or not self._cuda:
 
             def read_sync() -> list[int]:
                 self.waits += self._cuda
-                return tokens.tolist()  # sync-ok: the naive pattern under comparison
+                start = time.perf_counter()
+                values: list[int] = tokens.tolist()  # sync-ok: the naive pattern under comparison
+                self.wait_seconds += time.perf_counter() - start
+                return values
 
             return read_sync
         n = tokens.numel()
@@ -60,7 +69,9 @@ class TokenReader:
         def read_event() -> list[int]:
             if not event.query():
                 self.waits += 1
+                start = time.perf_counter()
                 event.synchronize()  # sync-ok: the read of step N's tokens, normally already landed
+                self.wait_seconds += time.perf_counter() - start
             return host.tolist()
 
         return read_event

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -36,6 +37,7 @@ class Uploader:
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # persistent: (site, field) -> pinned buffer
         self._events: dict[str, Any] = {}  # persistent: site -> event of its last copies
         self.waits = 0  # persistent: event waits that actually blocked
+        self.wait_seconds = 0.0
 
     def upload(self, site: str, fields: Fields) -> list[torch.Tensor]:
         if self.mode == "pool":
@@ -54,7 +56,9 @@ class Uploader:
         event = self._events.get(site)
         if event is not None and not event.query():
             self.waits += 1
+            start = time.perf_counter()
             event.synchronize()  # sync-ok: the persistent pattern's one wait per site use
+            self.wait_seconds += time.perf_counter() - start
         out = []
         for i, (values, dtype) in enumerate(fields):
             n = len(values)

@@ -30,7 +30,7 @@ def plot_tables(tables: list[Table], path: Path, subtitle: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("batch size")
-        ax.set_ylabel("host µs per call")
+        ax.set_ylabel("µs per call (title says host or device)")
         ax.set_title(table.title, fontsize=9)
         ax.legend(fontsize=8)
     fig.suptitle(subtitle, fontsize=9)
