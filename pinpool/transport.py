@@ -79,7 +79,11 @@ class HostTransport:
         return _NoFence()
 
     def check_stream(self, stream: Stream) -> None:
-        return None
+        # Host copies run in program order: a stream here can only be a mistake (a CUDA
+        # stream handed to a CPU pool would otherwise be ignored silently).
+        raise DeviceMismatchError(
+            f"'stream' must be None for a pool on {self.device}, which copies synchronously (got {stream!r})"
+        )
 
     def copy(self, dst_device: torch.Tensor, src_host: torch.Tensor, stream: Stream | None) -> None:
         dst_device.copy_(src_host)
