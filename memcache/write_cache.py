@@ -79,14 +79,10 @@ def write_cache_indices(
     np.cumsum(extend[:-1], out=starts[1:])  # exclusive prefix sum: where each request's slots begin
     chosen = _resolve_backend(backend, device)
     if chosen == "torch":
+        # sync-ok: numpy host arrays to lists, no device read
+        rows_l, prefix_l, seq_l, starts_l = (a.tolist() for a in (rows, prefix, seq, starts))
         write_req_to_token_reference(
-            req_to_token,
-            rows.tolist(),
-            prefix.tolist(),
-            seq.tolist(),
-            starts.tolist(),
-            list(prefix_tensors),
-            out_cache_loc,
+            req_to_token, rows_l, prefix_l, seq_l, starts_l, list(prefix_tensors), out_cache_loc
         )
         return
     with pool.stage() as st:
@@ -154,7 +150,7 @@ def _check_prefixes(
     O(bs) Python on the hot path, so only C-level attribute reads (``len(t)`` goes through
     Python in torch and costs several times ``t.shape[0]``): about 0.4 µs a request.
     """
-    needs = prefix.tolist()
+    needs = prefix.tolist()  # sync-ok: numpy host array, no device read
     pointers = [0] * len(needs)  # 0 for an empty prefix: the kernel's prefix loop never runs
     cuda, index = device.type == "cuda", device.index
     for i, t in enumerate(prefix_tensors):

@@ -1,7 +1,7 @@
 """``no_sync()``: fail loudly on any host synchronisation inside a block.
 
 ``torch.cuda.set_sync_debug_mode("error")`` catches the syncs torch itself knows about
-(``.item()``, ``nonzero``, blocking copies). It misses two that silently serialise the
+(reading a scalar with ``item``, ``nonzero``, blocking copies). It misses two that silently serialise the
 host: a ``non_blocking`` host-to-device copy from pageable memory (torch stages it
 through a bounce buffer and waits), and one from a non-contiguous pinned view (torch
 makes a contiguous pageable temporary first). Those, device-to-pageable-host copies, and
@@ -83,7 +83,7 @@ def no_sync() -> Iterator[None]:
     patch(torch.Tensor, "to", to)
     patch(torch.Tensor, "copy_", copy_)
     patch(torch.Tensor, "cuda", cuda)
-    patch(torch.cuda, "synchronize", _explicit_sync("torch.cuda.synchronize()"))
+    patch(torch.cuda, "synchronize", _explicit_sync("torch.cuda.synchronize()"))  # sync-ok: the guard refuses it
     patch(torch.cuda.Event, "synchronize", _explicit_sync("Event.synchronize()"))
     patch(torch.cuda.Stream, "synchronize", _explicit_sync("Stream.synchronize()"))
     debug_mode = torch.cuda.is_available()

@@ -151,7 +151,8 @@ class SamplingBatchInfo:
         keep = np.asarray(keep_indices, dtype=np.int64).reshape(-1)
         bs = len(self.host_records)
         if keep.size == 0 or keep.min() < 0 or keep.max() >= bs:
-            raise BatchMismatchError(f"'keep_indices' must be non-empty and in [0, {bs}) (got {keep.tolist()[:8]})")
+            got = keep.tolist()[:8]  # sync-ok: numpy host array, no device read
+            raise BatchMismatchError(f"'keep_indices' must be non-empty and in [0, {bs}) (got {got})")
         if keep_device is None:
             with self.pool.stage() as st:
                 keep_device = st.put(keep, torch.int64, name="keep_indices")
@@ -270,7 +271,7 @@ def _column_views(records: torch.Tensor, bs: int, pool: PinnedRingBuffer | None)
 
 
 def _check_bias_tokens(host_records: np.ndarray[Any, Any], vocab_size: int) -> None:
-    over = np.nonzero(host_records["bias_max_token"] >= vocab_size)[0]
+    over = np.nonzero(host_records["bias_max_token"] >= vocab_size)[0]  # sync-ok: numpy, host records
     if over.size:
         i = int(over[0])
         raise BatchMismatchError(
@@ -285,7 +286,7 @@ def _stage_bias(
     index_host, index_device = st.reserve(total, torch.int64, name="logit_bias index")
     value_host, value_device = st.reserve(total, torch.float32, name="logit_bias values")
     at = 0
-    for i in np.nonzero(n_bias)[0].tolist():  # only the requests that carry a bias
+    for i in np.nonzero(n_bias)[0].tolist():  # sync-ok: numpy host records; only requests with a bias
         bias = reqs[i].sampling_params.logit_bias
         assert bias is not None
         tokens, values = bias

@@ -1,7 +1,7 @@
 """The sampling workload of ``pinpool bench``: host µs per SamplingBatchInfo build.
 
 Baselines rebuild sglang's ``from_schedule_batch`` shape on the same requests: five
-per-field tensors (``sync``: ``torch.tensor(list, device=)``; ``pinned``: PR #28076's
+per-field tensors (``sync``: a ``torch.tensor`` built on the device; ``pinned``: PR #28076's
 ``pin_memory=True`` + ``non_blocking``) plus the flags computed with Python any/all.
 """
 
@@ -58,7 +58,7 @@ def per_field_build(batch: _Batch, pin: bool, sync: bool) -> tuple[Any, ...]:
 
     def upload(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
         if sync:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return torch.tensor(values, dtype=dtype, device=device)  # sync-ok: the baseline under comparison
         return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
     temperatures = upload([r.sampling_params.temperature for r in reqs], torch.float32).view(-1, 1)
