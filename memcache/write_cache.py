@@ -79,8 +79,8 @@ def write_cache_indices(
     np.cumsum(extend[:-1], out=starts[1:])  # exclusive prefix sum: where each request's slots begin
     chosen = _resolve_backend(backend, device)
     if chosen == "torch":
-        # sync-ok: numpy host arrays to lists, no device read
-        rows_l, prefix_l, seq_l, starts_l = (a.tolist() for a in (rows, prefix, seq, starts))
+        host = (rows, prefix, seq, starts)
+        rows_l, prefix_l, seq_l, starts_l = (a.tolist() for a in host)  # sync-ok: numpy host arrays
         write_req_to_token_reference(
             req_to_token, rows_l, prefix_l, seq_l, starts_l, list(prefix_tensors), out_cache_loc
         )
