@@ -138,7 +138,7 @@ def _count(ctx: BenchContext, mode: Mode, running: int, gpu_work_us: float, cycl
 def workload(ctx: BenchContext) -> list[Table]:
     cuda = ctx.is_cuda
     sizes = ctx.running or ((64, 256) if cuda else (8,))
-    steps = ctx.steps or (48 if cuda else 12)
+    steps = ctx.steps or (32 if cuda else 12)
     modes = [m for m in MODES if m in ctx.modes]
     cycles = sleep_cycles_per_us(ctx.device) if cuda else 0.0
     tables = []

@@ -21,7 +21,7 @@ class BenchContext:
     device: torch.device
     batch_sizes: tuple[int, ...]
     iters: int
-    repeats: int = 5
+    repeats: int = 3
     #: Print progress lines to stderr (long runs); tables go to stdout.
     verbose: bool = True
     #: Staging modes to run (workloads skip the ones they cannot show on this device).
