@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import torch
 
-from pinpool.encode import NUMPY_DTYPE, write
+from pinpool.encode import NUMPY_DTYPE
 from pinpool.exceptions import CapacityError, DeviceMismatchError, PoolStateError, ThreadOwnershipError
 from pinpool.log import get_logger
 from pinpool.readback import Readback
@@ -100,19 +100,9 @@ class PinnedRingBuffer:
         if stream is not None:
             self._transport.check_stream(stream)
         owned_device = self._owned_buffer(owned_bytes, owned)
-        slot = self._next_slot
-        fence = self._fences[slot]
-        # Invariant 1: the host region may still feed a pending copy. Wait for the slot's
-        # fence: bounded, and only when the GPU is num_slots stages behind.
-        if not fence.query():
-            self._stall(slot, fence)
-        if self._retained[slot]:
-            # Invariant 6: the fence has passed, so the kernels that read these are done.
-            self._retained[slot].clear()
+        slot = self._claim_slot()
         if owned_device is None:
             self._guard_device_region(slot, stream)
-        self._generation += 1
-        self._slot_generation[slot] = self._generation
         st = Stage(self, slot, self._generation, stream, owned_device)
         self._open = st
         return st
@@ -136,13 +126,8 @@ class PinnedRingBuffer:
             raise CapacityError(
                 f"'src' needs {nbytes} bytes but a slot holds {self.settings.slot_bytes}; raise PoolSettings.slot_bytes"
             )
-        slot = self._next_slot
+        slot = self._claim_slot()
         fence = self._fences[slot]
-        if not fence.query():  # invariant 1, as for a stage
-            self._stall(slot, fence)
-        self._retained[slot].clear()
-        self._generation += 1
-        self._slot_generation[slot] = self._generation
         host = self._host_views[slot][src.dtype][: src.numel()]
         self._transport.copy(self._host_slots[slot][:nbytes], src.reshape(-1).view(torch.uint8), stream)
         fence.record(stream)
@@ -245,31 +230,6 @@ class PinnedRingBuffer:
         if not ok:
             counters.aborted_stages += 1
 
-    def _spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = numel * itemsize
-        host = self._transport.alloc_host(nbytes)
-        write(host.numpy().view(NUMPY_DTYPE[dtype]) if dtype in NUMPY_DTYPE else host.view(dtype), src, dtype, name)
-        device = self._transport.alloc_device(nbytes)
-        self._transport.copy(device, host, st.stream)
-        # The one-off pinned buffer must outlive its copy: retain it with the slot.
-        self._retained[st.slot].append(host)
-        st.spilled = True
-        counters = self._counters
-        counters.overflows += 1
-        counters.host_allocations += 1
-        counters.device_allocations += 1
-        counters.copies += 1
-        counters.bytes_copied += nbytes
-        _log.warning(
-            "stage.overflow",
-            field=name,
-            nbytes=nbytes,
-            slot_bytes=self.settings.slot_bytes,
-            overflows=counters.overflows,
-        )
-        return device.view(dtype)
-
     # -- internals ---------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self._closed:
@@ -302,6 +262,21 @@ class PinnedRingBuffer:
         align = self.settings.alignment
         self._counters.device_allocations += 1
         return self._transport.alloc_device((owned_bytes + align - 1) // align * align)
+
+    def _claim_slot(self) -> int:
+        """The next slot, safe to write on the host, under a new generation."""
+        slot = self._next_slot
+        fence = self._fences[slot]
+        # Invariant 1: the host region may still feed a pending copy. Wait for the slot's
+        # fence: bounded, and only when the GPU is num_slots stages behind.
+        if not fence.query():
+            self._stall(slot, fence)
+        if self._retained[slot]:
+            # Invariant 6: the fence has passed, so the kernels that read these are done.
+            self._retained[slot].clear()
+        self._generation += 1
+        self._slot_generation[slot] = self._generation
+        return slot
 
     def _guard_device_region(self, slot: int, stream: Stream | None) -> None:
         # Invariant 2: on the staging stream, stream order already puts this stage's copy

@@ -18,6 +18,7 @@ import torch
 
 from pinpool.encode import NUMPY_DTYPE, as_source, check_dtype, write, write_list
 from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
+from pinpool.overflow import spill
 from pinpool.settings import OverflowPolicy
 from pinpool.transport import Stream
 
@@ -200,7 +201,7 @@ class Stage:
         start = self._cursor
         if start + numel * itemsize > self._capacity:
             if self._pool.settings.overflow is OverflowPolicy.SPILL and src is not None:
-                return None, self._pool._spill(self, src, dtype, numel, name)
+                return None, spill(self._pool, self, src, dtype, numel, name)
             raise CapacityError(self._capacity_message(numel * itemsize, name))
         first = start // itemsize
         host = self._host_views[dtype][first : first + numel]
