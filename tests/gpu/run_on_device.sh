@@ -26,11 +26,14 @@ gpu_rc=${PIPESTATUS[0]}
 # Unit tests run the Triton kernels through the interpreter on CPU tensors, as CI does.
 TRITON_INTERPRET=1 python3 -m pytest tests/unit -q -p no:cacheprovider 2>&1 | tee "$OUT/unit_tests.log" | tail -2
 unit_rc=${PIPESTATUS[0]}
+bench_start=$SECONDS
 python3 -m pinpool.cli bench --json "$OUT/bench.json" --plot "$OUT/bench.png" "$@" 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}
+bench_seconds=$((SECONDS - bench_start))
 soak_rc=skipped
 if [ -n "${PINPOOL_SOAK:-}" ]; then
-  python3 tests/gpu/soak.py --json "$OUT/soak.json" 2>&1 | tee "$OUT/soak.txt"
+  # PINPOOL_SOAK_ARGS, e.g. "--decode-steps 2000", shortens a soak for a quick re-check.
+  python3 tests/gpu/soak.py --json "$OUT/soak.json" ${PINPOOL_SOAK_ARGS:-} 2>&1 | tee "$OUT/soak.txt"
   soak_rc=${PIPESTATUS[0]}
 fi
 two_rc=skipped
@@ -43,7 +46,7 @@ echo
 echo "== summary ($(head -1 "$OUT/device.txt"), $(sed -n 2p "$OUT/device.txt"))"
 echo "gpu tests : rc=$gpu_rc  $(tail -1 "$OUT/gpu_tests.log")"
 echo "unit tests: rc=$unit_rc  $(tail -1 "$OUT/unit_tests.log")"
-echo "bench     : rc=$bench_rc  (tables above; JSON in bench.json, plot in bench.png)"
+echo "bench     : rc=$bench_rc  ${bench_seconds} s (tables above; JSON in bench.json, plot in bench.png)"
 echo "soak      : rc=$soak_rc  $(grep -h '^SOAK' "$OUT/soak.txt" 2>/dev/null)"
 echo "two GPUs  : rc=$two_rc  $(grep -h 'TWO-GPU CHECK' "$OUT/two_gpu.txt" 2>/dev/null)"
 [ "$soak_rc" = skipped ] && soak_rc=0
