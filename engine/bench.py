@@ -12,11 +12,12 @@ import time
 import warnings
 from typing import Any
 
+import attrs
 import torch
 
 from engine.loop import Engine, EngineConfig
 from engine.model import ModelConfig
-from engine.requests import Workload, make_requests
+from engine.requests import Request, Workload, make_requests
 from engine.uploader import MODES, Mode
 from pinpool.benchkit import BenchContext, Table, host_allocs
 
@@ -48,18 +49,11 @@ def _engine(mode: Mode, device: torch.device, running: int, gpu_work_us: float, 
     return Engine(ModelConfig(max_context_len=160), mode, device, cfg)
 
 
-def _requests(running: int, steps: int, seed: int) -> list[Any]:
+def _requests(running: int, steps: int, seed: int) -> list[Request]:
     wl = Workload(num_requests=running, arrival_gap=0, new_tokens=(steps, steps), greedy_share=0.25, seed=seed)
     reqs = make_requests(wl, ModelConfig().vocab_size)
     for r in reqs:  # steady decode: nobody stops early
-        r.sampling_params = type(r.sampling_params)(
-            temperature=r.sampling_params.temperature,
-            top_p=r.sampling_params.top_p,
-            top_k=r.sampling_params.top_k,
-            min_p=r.sampling_params.min_p,
-            seed=r.sampling_params.seed,
-            max_new_tokens=steps,
-        )
+        r.sampling_params = attrs.evolve(r.sampling_params, stop_token_ids=())
     return reqs
 
 
