@@ -68,3 +68,13 @@ def test_pin_memory_availability() -> None:
     """Catches pinning attempted on devices that cannot use it."""
     assert is_pin_memory_available("cpu") is False
     assert is_pin_memory_available("cuda") is torch.cuda.is_available()
+
+
+def test_no_sync_wraps_the_real_copy_entry_points() -> None:
+    """Catches a guard whose patches are installed but never consulted by Tensor.to / .cuda."""
+    with no_sync(), pytest.raises(HostSyncError, match="pageable"):
+        torch.ones(3).to("cuda", non_blocking=True)
+    with no_sync(), pytest.raises(HostSyncError, match="without non_blocking"):
+        torch.ones(3).to(torch.device("cuda", 0))
+    with no_sync(), pytest.raises(HostSyncError, match="pageable"):
+        torch.ones(3).cuda(non_blocking=True)
