@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from pinpool import PinnedRingBuffer
 from sampling import SamplingParams
 
 
@@ -33,3 +35,19 @@ def random_params(rng: random.Random, vocab: int = 50, seeded: bool = True, bias
         if bias and rng.random() < 0.3
         else None,
     )
+
+
+class NeverPendingFence:
+    """A fence that always reports done: it turns a ring's reuse guard off."""
+
+    def record(self, stream: Any) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None: ...
+
+
+def remove_fences(pool: PinnedRingBuffer) -> None:
+    """Planted bug for control tests: the ring reuses slots without waiting on any copy."""
+    pool._fences = [NeverPendingFence() for _ in pool._fences]  # type: ignore[misc]
