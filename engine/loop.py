@@ -160,7 +160,7 @@ class Engine:
         seq = [len(r.prompt) for r in reqs]
         for r, row, p in zip(reqs, rows, prefix_lens, strict=True):
             r.row, r.seq_len, r.owned_from = row, len(r.prompt), p
-        with self.staging:
+        with self.staging("prefill.write_cache"):
             if self.mode == "pool":
                 write_cache_indices(out_cache_loc, rows, prefix_lens, seq, extend, prefix_tensors, self.rtt, self.pool)
             else:
@@ -176,7 +176,7 @@ class Engine:
             positions += range(p, len(r.prompt))
             token_rows += [r.row] * (len(r.prompt) - p)
             last_index.append(len(token_ids) - 1)
-        with self.staging:
+        with self.staging("prefill.upload"):
             tokens_d, positions_d, rows_d, last_d = self.uploader.upload(
                 "step",
                 [
@@ -189,7 +189,7 @@ class Engine:
         logits = self.model.forward(
             tokens_d, positions_d, rows_d, out_cache_loc, last_d, self.rtt.req_to_token, self.cache, max(seq)
         )
-        with self.staging:
+        with self.staging("prefill.sampling_info"):
             info = self._sampling_info(reqs)
         new_tokens = self.sampler(logits, info, positions_d[last_d])
         for r in reqs:  # the first request of a group publishes its prefix's KV slots
@@ -201,19 +201,20 @@ class Engine:
             self.info, self.last_tokens = info, new_tokens
         else:
             assert self.last_tokens is not None
-            with self.staging:
+            with self.staging("prefill.merge"):
                 self.info.merge_batch(info)
             self.last_tokens = torch.cat([self.last_tokens, new_tokens])
-        with self.staging:
+        with self.staging("prefill.readback"):
             return self.reader.start(new_tokens)
 
     def _decode(self) -> Pending:
         reqs, bs = self.running, len(self.running)
         out_cache_loc = self.kv.alloc(bs)
-        with self.staging:
-            rows_d, positions_d = self.uploader.upload(
-                "step", [([r.row for r in reqs], torch.int64), ([r.seq_len for r in reqs], torch.int64)]
-            )
+        # The scheduler's lists are built outside the clock: every mode needs them, and
+        # the clock is for what the modes do differently (moving them to the GPU).
+        rows, positions = [r.row for r in reqs], [r.seq_len for r in reqs]
+        with self.staging("decode.upload"):
+            rows_d, positions_d = self.uploader.upload("step", [(rows, torch.int64), (positions, torch.int64)])
         max_len = max(r.seq_len for r in reqs) + 1
         for r in reqs:
             r.seq_len += 1
@@ -238,7 +239,7 @@ class Engine:
         if self.record_gpu:
             end.record()
             self.times.gpu_events.append((start, end))
-        with self.staging:
+        with self.staging("decode.readback"):
             return self.reader.start(self.last_tokens)
 
     def _sampling_info(self, reqs: list[Request]) -> Any:
@@ -250,7 +251,7 @@ class Engine:
         return PerFieldSamplingInfo([r.sampling_params for r in reqs], self.model_cfg.vocab_size, self.uploader)
 
     def _consume(self, read: Pending, reqs: list[Request]) -> None:
-        with self.staging:
+        with self.staging("read"):
             tokens = read()
         for r, token in zip(reqs, tokens, strict=True):
             r.accept(token)
@@ -265,7 +266,7 @@ class Engine:
         if not keep:
             self.info, self.last_tokens = None, None
             return
-        with self.staging:
+        with self.staging("filter"):
             (keep_d,) = self.uploader.upload("filter", [(keep, torch.int64)])
             self.info.filter_batch(keep, keep_d)
         assert self.last_tokens is not None
@@ -273,19 +274,32 @@ class Engine:
 
 
 class StagingClock:
-    """Accumulates host seconds spent moving metadata (uploads, batch builds, read-backs)."""
+    """Accumulates host seconds spent moving metadata (uploads, batch builds, read-backs).
 
-    __slots__ = ("_start", "total")
+    ``with clock("site"):`` also books the time under that site, so a bench can say which
+    staging site costs what.
+    """
+
+    __slots__ = ("_site", "_start", "by_site", "total")
 
     def __init__(self) -> None:
         self.total = 0.0
         self._start = 0.0
+        self._site = "other"
+        self.by_site: dict[str, float] = {}
+
+    def __call__(self, site: str) -> StagingClock:
+        self._site = site
+        return self
 
     def __enter__(self) -> None:
         self._start = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
-        self.total += time.perf_counter() - self._start
+        spent = time.perf_counter() - self._start
+        self.total += spent
+        self.by_site[self._site] = self.by_site.get(self._site, 0.0) + spent
+        self._site = "other"
 
 
 class _EmptyPrefixes(dict[torch.device, torch.Tensor]):

@@ -36,12 +36,13 @@ class TokenReader:
 
             def read_pool() -> list[int]:
                 if handle.ready():
-                    return handle.values().tolist()
+                    values: list[int] = handle.tolist()
+                    return values
                 self.waits += 1
                 start = time.perf_counter()
-                values = handle.values()
+                values = handle.tolist()
                 self.wait_seconds += time.perf_counter() - start
-                return values.tolist()
+                return values
 
             return read_pool
         if self.mode == "sync" or not self._cuda:

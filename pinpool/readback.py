@@ -37,6 +37,19 @@ class Readback:
 
     def values(self) -> np.ndarray[Any, Any]:
         """The copied values as a numpy array of their own (waits if the copy is still queued)."""
+        self._landed()
+        return self._host.copy()
+
+    def tolist(self) -> Any:
+        """The copied values as Python numbers (waits if the copy is still queued).
+
+        What a scheduler wants for next-token ids; it skips the intermediate array of
+        ``values()``.
+        """
+        self._landed()
+        return self._host.tolist()
+
+    def _landed(self) -> None:
         if self._pool._slot_generation[self.slot] != self.generation:
             raise StaleLeaseError(
                 f"readback of generation {self.generation} (slot {self.slot}) was read after the slot was recycled; "
@@ -44,4 +57,3 @@ class Readback:
             )
         if not self._fence.query():
             self._pool._readback_wait(self._fence)
-        return self._host.copy()

@@ -59,6 +59,9 @@ class PinnedRingBuffer:
         self._view_cache: list[dict[tuple[torch.dtype, int, int], torch.Tensor]] = [{} for _ in range(num_slots)]
         # Copy ranges per (slot, bytes): one host and one device view, reused every lap.
         self._copy_ranges: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(num_slots)]
+        self._readback_cache: list[dict[tuple[torch.dtype, torch.Size], tuple[torch.Tensor, Any]]] = [
+            {} for _ in range(num_slots)
+        ]
         self._fences: list[Fence] = [self._transport.new_fence() for _ in range(num_slots)]
         self._retained: list[list[Any]] = [[] for _ in range(num_slots)]
         self._slot_generation = [0] * num_slots
@@ -128,14 +131,14 @@ class PinnedRingBuffer:
             )
         slot = self._claim_slot()
         fence = self._fences[slot]
-        host = self._host_views[slot][src.dtype][: src.numel()]
-        self._transport.copy(self._host_slots[slot][:nbytes], src.reshape(-1).view(torch.uint8), stream)
+        host_t, host_np = self._readback_views(slot, src.dtype, src.shape, nbytes)
+        self._transport.copy(host_t, src, stream)
         fence.record(stream)
         self._next_slot = (slot + 1) % self.settings.num_slots
         counters = self._counters
         counters.readbacks += 1
         counters.bytes_read_back += nbytes
-        return Readback(self, slot, self._generation, fence, host.reshape(src.shape))
+        return Readback(self, slot, self._generation, fence, host_np)
 
     def register_consumer_stream(self, stream: Stream) -> None:
         """Protect staged slices read on ``stream`` (design invariant 2).
@@ -231,6 +234,26 @@ class PinnedRingBuffer:
             counters.aborted_stages += 1
 
     # -- internals ---------------------------------------------------------------------
+    def _readback_views(
+        self, slot: int, dtype: torch.dtype, shape: torch.Size, nbytes: int
+    ) -> tuple[torch.Tensor, Any]:
+        """(pinned torch view, numpy view) of the slot's first bytes, shaped like the source.
+
+        A decode loop reads back the same shape every step; building the two views costs
+        more host time than the copy itself, so they are made once per slot and shape.
+        """
+        cache = self._readback_cache[slot]
+        key = (dtype, shape)
+        views = cache.get(key)
+        if views is None:
+            if len(cache) >= 64:
+                cache.clear()
+            numel = nbytes // self._host_views[slot][dtype].itemsize
+            host_np = self._host_views[slot][dtype][:numel].reshape(shape)
+            host_t = self._host_slots[slot][:nbytes].view(dtype).view(shape)
+            views = cache[key] = (host_t, host_np)
+        return views
+
     def _check_usable(self) -> None:
         if self._closed:
             raise PoolStateError("the pool is closed: create a new PinnedRingBuffer")

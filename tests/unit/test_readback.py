@@ -88,3 +88,28 @@ def test_stages_and_readbacks_interleaved_under_lag_stay_exact(seed: int) -> Non
     assert gpu.races == []
     assert gpu.mismatches == []
     assert read >= 10, (read, stale)  # most reads land in time; late ones are refused, not wrong
+
+
+def test_readbacks_of_changing_shapes_and_dtypes_through_the_same_slots_read_their_own_values() -> None:
+    """Catches a cached readback view reused for a different shape, dtype or size."""
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=512))
+    rng = random.Random(3)
+    for _ in range(60):
+        dtype = rng.choice([torch.int64, torch.int32, torch.float32, torch.uint8])
+        shape = rng.choice([(0,), (1,), (5,), (2, 3), (4, 1), (3,)])
+        src = torch.randint(0, 100, shape).to(dtype)
+        handle = pool.readback(src)
+        assert handle.tolist() == src.tolist()
+        got = handle.values()
+        assert got.shape == tuple(shape) and got.dtype == np.dtype(str(dtype).removeprefix("torch."))
+        assert torch.equal(torch.from_numpy(got), src)
+
+
+def test_readback_tolist_is_refused_after_recycle_like_values() -> None:
+    """Catches tolist() skipping the lease check that values() makes."""
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=64))
+    rb = pool.readback(torch.arange(3))
+    pool.readback(torch.arange(2))
+    pool.readback(torch.arange(2))
+    with pytest.raises(StaleLeaseError, match="recycled"):
+        rb.tolist()

@@ -1,0 +1,183 @@
+"""Where a decode step's staging time goes, per site and mode (a diagnostic, not a test).
+
+python3 tests/gpu/decode_breakdown.py > $OUT/breakdown.txt
+
+For each mode: median host µs per decode step at each staging site (step upload, token
+read-back, read of the previous step), in the loop as it runs, in the loop with the GPU
+drained before each step, and the same upload called in a tight loop outside the engine.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import logging
+import pstats
+import statistics
+import time
+
+import structlog
+import torch
+
+from engine.bench import _engine, _requests
+from engine.uploader import MODES
+
+DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+SITES = ("decode.upload", "decode.readback", "read")
+
+
+def _sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def per_step(mode: str, running: int, drain: bool, steps: int = 40) -> dict[str, float]:
+    engine = _engine(mode, DEV, running, 0.0, 0.0)  # type: ignore[arg-type]
+    engine.submit(_requests(running, steps, seed=1))
+    samples: dict[str, list[float]] = {s: [] for s in (*SITES, "wall")}
+    seen = 0
+    while engine.busy:
+        if drain:
+            _sync()
+        before = dict(engine.staging.by_site)
+        start = time.perf_counter()
+        kind = engine.step()
+        wall = time.perf_counter() - start
+        if kind != "decode":
+            continue
+        seen += 1
+        if seen <= 3:
+            continue
+        for s in SITES:
+            samples[s].append(engine.staging.by_site.get(s, 0.0) - before.get(s, 0.0))
+        samples["wall"].append(wall)
+    _sync()
+    return {k: statistics.median(v) * 1e6 for k, v in samples.items() if v}
+
+
+def isolated(mode: str, running: int, calls: int = 300) -> float:
+    engine = _engine(mode, DEV, running, 0.0, 0.0)  # type: ignore[arg-type]
+    rows, pos = list(range(running)), list(range(100, 100 + running))
+    fields = [(rows, torch.int64), (pos, torch.int64)]
+    for _ in range(50):
+        engine.uploader.upload("step", fields)
+    _sync()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        engine.uploader.upload("step", fields)
+        times.append(time.perf_counter() - start)
+    _sync()
+    return statistics.median(times) * 1e6
+
+
+def profile_pool(running: int) -> str:
+    engine = _engine("pool", DEV, running, 0.0, 0.0)
+    engine.submit(_requests(running, 60, seed=1))
+    for _ in range(10):
+        engine.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(40):
+        engine.step()
+    prof.disable()
+    _sync()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    return out.getvalue()
+
+
+def main() -> None:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    for mode in MODES:  # warm-up: kernels compile once
+        per_step(mode, 64, False, steps=8)
+    print("running mode        variant   " + "  ".join(f"{s:>15}" for s in (*SITES, "wall")) + "   isolated upload")
+    for running in (64,):
+        for mode in MODES:
+            iso = isolated(mode, running)
+            for drain in (False, True):
+                r = per_step(mode, running, drain)
+                cells = "  ".join(f"{r.get(s, float('nan')):15.1f}" for s in (*SITES, "wall"))
+                print(f"{running:7d} {mode:11s} {'drained' if drain else 'loop':8s}  {cells}   {iso:8.1f}")
+    print("readback checkpoints, pool, 64 running (µs):", checkpoints())
+    print("readback site with the stream drained first (µs):", sync_before_readback())
+    print("\n######## cProfile, pool mode, 64 running, 40 steps\n" + profile_pool(64))
+
+
+
+def checkpoints(running: int = 64) -> str:
+    """µs between checkpoints inside pool.readback, in the loop (median over decode steps)."""
+    from pinpool.readback import Readback
+    from pinpool.ring import PinnedRingBuffer
+
+    marks: dict[str, list[float]] = {}
+
+    def readback(self: PinnedRingBuffer, src: torch.Tensor, *, stream: object = None) -> Readback:
+        t = [time.perf_counter()]
+        self._check_usable()
+        ok = src.device == self.device and src.is_contiguous()
+        t.append(time.perf_counter())
+        nbytes = src.numel() * src.element_size()
+        slot = self._claim_slot()
+        t.append(time.perf_counter())
+        fence = self._fences[slot]
+        host = self._host_views[slot][src.dtype][: src.numel()]
+        raw = self._host_slots[slot][:nbytes]
+        flat = src.reshape(-1).view(torch.uint8)
+        t.append(time.perf_counter())
+        self._transport.copy(raw, flat, None)
+        t.append(time.perf_counter())
+        fence.record(None)
+        t.append(time.perf_counter())
+        self._next_slot = (slot + 1) % self.settings.num_slots
+        out = Readback(self, slot, self._generation, fence, host.reshape(src.shape))
+        t.append(time.perf_counter())
+        assert ok
+        for name, a, b in zip(("checks", "claim", "views", "copy", "record", "handle"), t, t[1:]):
+            marks.setdefault(name, []).append(b - a)
+        return out
+
+    original = PinnedRingBuffer.readback
+    PinnedRingBuffer.readback = readback  # type: ignore[method-assign]
+    try:
+        per_step("pool", running, False)
+        marks.clear()
+        per_step("pool", running, False)
+    finally:
+        PinnedRingBuffer.readback = original  # type: ignore[method-assign]
+    return "  ".join(f"{k} {statistics.median(v) * 1e6:.1f}" for k, v in marks.items())
+
+
+def sync_before_readback(running: int = 64) -> str:
+    """The readback site's µs when the stream is drained right before it (outside the clock)."""
+    from engine.readback import TokenReader
+
+    original = TokenReader.start
+
+    def start(self: TokenReader, tokens: torch.Tensor):  # type: ignore[no-untyped-def]
+        return original(self, tokens)
+
+    results = []
+    for drain in (False, True):
+        engine = _engine("pool", DEV, running, 0.0, 0.0)
+        engine.submit(_requests(running, 40, seed=1))
+        samples = []
+        real_start = engine.reader.start
+
+        def wrapped(tokens: torch.Tensor, real_start=real_start, drain=drain):  # type: ignore[no-untyped-def]
+            if drain:
+                _sync()
+            t0 = time.perf_counter()
+            out = real_start(tokens)
+            samples.append(time.perf_counter() - t0)
+            return out
+
+        engine.reader.start = wrapped  # type: ignore[method-assign]
+        while engine.busy:
+            engine.step()
+        results.append(f"{'drained' if drain else 'loop'} {statistics.median(samples[5:]) * 1e6:.1f}")
+    return "  ".join(results)
+
+
+if __name__ == "__main__":
+    main()
