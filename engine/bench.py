@@ -129,6 +129,17 @@ def _count(ctx: BenchContext, mode: Mode, running: int, gpu_work_us: float, cycl
     }
 
 
+def _combine(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median over rounds of each figure; counts come from the first round's counting pass."""
+    first = results[0]
+    if any(r["outputs"] != first["outputs"] for r in results):
+        raise AssertionError("a mode's token streams changed between rounds of the same workload")
+    out = dict(first)
+    for key in ("host_us", "staging_us", "wait_us", "gpu_us", "idle", "tokens_per_s"):
+        out[key] = statistics.median(r[key] for r in results)
+    return out
+
+
 def workload(ctx: BenchContext) -> list[Table]:
     cuda = ctx.is_cuda
     sizes = ctx.running or ((64, 256) if cuda else (8,))
@@ -145,12 +156,19 @@ def workload(ctx: BenchContext) -> list[Table]:
     ctx.progress("decode loop warm-up (kernels compile once, outside the timings)")
     for mode in modes:
         measure(ctx, mode, min(sizes), 6, 0.0, cycles, count=False)
+    rounds = max(1, ctx.repeats)
     for running, work in runs:
         rows = []
         streams: dict[str, Any] = {}
+        per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        # Modes interleave over rounds (order rotated each round), so a drift of the host
+        # during the run lands on every mode alike; each figure is the median over rounds.
+        for r in range(rounds):
+            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+                ctx.progress(f"decode loop running={running} gpu_work={work:.0f}us mode={mode} round={r + 1}/{rounds}")
+                per_mode[mode].append(measure(ctx, mode, running, steps, work, cycles, count=r == 0))
         for mode in modes:
-            ctx.progress(f"decode loop running={running} gpu_work={work:.0f}us mode={mode}")
-            m = measure(ctx, mode, running, steps, work, cycles)
+            m = _combine(per_mode[mode])
             streams[mode] = m["outputs"]
             rows.append(
                 (
@@ -172,7 +190,8 @@ def workload(ctx: BenchContext) -> list[Table]:
         pool = next(r[2] for r in rows if r[0] == "pool")
         notes = [
             f"{running} running requests, {steps} new tokens each, seeded sampling; medians over decode steps "
-            f"after {WARM_STEPS} warm-up steps; token streams identical across modes: {same}",
+            f"after {WARM_STEPS} warm-up steps, then the median of {rounds} interleaved rounds per mode; token "
+            f"streams identical across modes: {same}",
             (
                 f"staging µs = host time moving metadata (uploads, batch builds, filters, token read-back) per "
                 f"decode step, less GPU-wait µs (ring stalls, event waits and reads that blocked on the GPU; sync "
@@ -186,7 +205,7 @@ def workload(ctx: BenchContext) -> list[Table]:
             )
         else:
             notes.append(
-                "tiny model in eager PyTorch: its ~100 kernel launches per step, not staging, set the step time; "
+                "tiny model in eager PyTorch: its ~80 kernel launches per step, not staging, set the step time; "
                 "GPU µs spans the step's launches, so when the host is the bottleneck step/GPU is near 1"
             )
         if not cuda:

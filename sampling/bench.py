@@ -8,6 +8,8 @@ per-field tensors (``sync``: a ``torch.tensor`` built on the device; ``pinned``:
 from __future__ import annotations
 
 import random
+import statistics
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -18,6 +20,7 @@ from pinpool import PinnedRingBuffer, PoolSettings
 from pinpool.benchkit import BenchContext, Table, host_allocs, host_us_per_call
 from sampling.batch_info import SamplingBatchInfo
 from sampling.params import TOP_K_ALL, SamplingParams
+from sampling.sampler import Sampler
 
 VOCAB = 32_000
 
@@ -75,6 +78,54 @@ def per_field_build(batch: _Batch, pin: bool, sync: bool) -> tuple[Any, ...]:
     return temperatures, top_ps, top_ks, min_ps, seeds, flags
 
 
+def _launch_us(ctx: BenchContext, fn: Callable[[], Any], calls: int = 20) -> float:
+    """Host µs per call of launching ``fn`` (the GPU drained between blocks, not inside one).
+
+    Short blocks keep the launch queue from filling, so this is the host's cost alone,
+    what a decode loop pays before the GPU can start.
+    """
+    for _ in range(5):
+        fn()
+    samples = []
+    for _ in range(max(ctx.repeats, 5)):
+        ctx.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    ctx.synchronize()
+    return statistics.median(samples)
+
+
+def draw_table(ctx: BenchContext) -> Table:
+    """The deterministic draw: eager torch (about thirty launches) against one Triton kernel."""
+    from triton.testing import do_bench
+
+    rows = []
+    pool = PinnedRingBuffer(PoolSettings(device=ctx.device, num_slots=4, slot_bytes=1 << 20))
+    for bs in (1, 64, 256):
+        ctx.progress(f"sampler draw bs={bs}")
+        info = SamplingBatchInfo.from_schedule_batch(
+            make_batch(bs, ctx.device, seed=3), VOCAB, pool, owned=True, deterministic=True
+        )
+        gen = torch.Generator(device=ctx.device).manual_seed(bs)
+        logits = torch.randn(bs, VOCAB, device=ctx.device, generator=gen) * 3.0
+        positions = torch.arange(bs, dtype=torch.int64, device=ctx.device)
+        eager, fused = Sampler(use_kernel=False), Sampler()
+        same = torch.equal(eager(logits, info, positions), fused(logits, info, positions))
+        host = [_launch_us(ctx, partial(s, logits, info, positions)) for s in (eager, fused)]
+        device = [do_bench(partial(s, logits, info, positions), return_mode="median") * 1e3 for s in (eager, fused)]
+        rows.append((bs, host[0], host[1], host[0] / host[1], device[0], device[1], same))
+    pool.close()
+    notes = [
+        f"Sampler with deterministic=True, vocab {VOCAB}, mixed top-p/top-k/min-p/greedy rows; host µs = launching "
+        "one call (blocks of 20, GPU drained between blocks); device µs = triton.testing.do_bench median",
+        "same tokens = the kernel's tokens equal the eager path's on this batch",
+    ]
+    columns = ("bs", "eager host µs", "kernel host µs", "x host", "eager device µs", "kernel device µs", "same tokens")
+    return Table("sampler: deterministic draw, eager torch vs one kernel", columns, tuple(rows), tuple(notes))
+
+
 def workload(ctx: BenchContext) -> list[Table]:
     pool = PinnedRingBuffer(PoolSettings(device=ctx.device, num_slots=8, slot_bytes=1 << 20))
     pin = ctx.is_cuda
@@ -119,4 +170,7 @@ def workload(ctx: BenchContext) -> list[Table]:
     if not pin:
         notes.append("CPU run: no pinning or async copies here; figures show Python-side cost only")
     columns = ("bs", "sync µs", "pinned µs", "pool µs", "owned µs", "x pool", "x owned", "pinned allocs", "pool allocs")
-    return [Table("sampling: host µs per SamplingBatchInfo build", columns, tuple(rows), tuple(notes))]
+    tables = [Table("sampling: host µs per SamplingBatchInfo build", columns, tuple(rows), tuple(notes))]
+    if ctx.is_cuda:  # the kernel path exists only on CUDA; on CPU the sampler is the torch reference
+        tables.append(draw_table(ctx))
+    return tables

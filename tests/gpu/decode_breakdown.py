@@ -100,9 +100,7 @@ def main() -> None:
                 cells = "  ".join(f"{r.get(s, float('nan')):15.1f}" for s in (*SITES, "wall"))
                 print(f"{running:7d} {mode:11s} {'drained' if drain else 'loop':8s}  {cells}   {iso:8.1f}")
     print("readback checkpoints, pool, 64 running (µs):", checkpoints())
-    print("readback site with the stream drained first (µs):", sync_before_readback())
     print("\n######## cProfile, pool mode, 64 running, 40 steps\n" + profile_pool(64))
-
 
 
 def checkpoints(running: int = 64) -> str:
@@ -121,19 +119,17 @@ def checkpoints(running: int = 64) -> str:
         slot = self._claim_slot()
         t.append(time.perf_counter())
         fence = self._fences[slot]
-        host = self._host_views[slot][src.dtype][: src.numel()]
-        raw = self._host_slots[slot][:nbytes]
-        flat = src.reshape(-1).view(torch.uint8)
+        host_t, host = self._readback_views(slot, src.dtype, src.shape, nbytes)
         t.append(time.perf_counter())
-        self._transport.copy(raw, flat, None)
+        self._transport.copy(host_t, src, None)
         t.append(time.perf_counter())
         fence.record(None)
         t.append(time.perf_counter())
         self._next_slot = (slot + 1) % self.settings.num_slots
-        out = Readback(self, slot, self._generation, fence, host.reshape(src.shape))
+        out = Readback(self, slot, self._generation, fence, host)
         t.append(time.perf_counter())
         assert ok
-        for name, a, b in zip(("checks", "claim", "views", "copy", "record", "handle"), t, t[1:]):
+        for name, a, b in zip(("checks", "claim", "views", "copy", "record", "handle"), t, t[1:], strict=False):
             marks.setdefault(name, []).append(b - a)
         return out
 
@@ -146,37 +142,6 @@ def checkpoints(running: int = 64) -> str:
     finally:
         PinnedRingBuffer.readback = original  # type: ignore[method-assign]
     return "  ".join(f"{k} {statistics.median(v) * 1e6:.1f}" for k, v in marks.items())
-
-
-def sync_before_readback(running: int = 64) -> str:
-    """The readback site's µs when the stream is drained right before it (outside the clock)."""
-    from engine.readback import TokenReader
-
-    original = TokenReader.start
-
-    def start(self: TokenReader, tokens: torch.Tensor):  # type: ignore[no-untyped-def]
-        return original(self, tokens)
-
-    results = []
-    for drain in (False, True):
-        engine = _engine("pool", DEV, running, 0.0, 0.0)
-        engine.submit(_requests(running, 40, seed=1))
-        samples = []
-        real_start = engine.reader.start
-
-        def wrapped(tokens: torch.Tensor, real_start=real_start, drain=drain):  # type: ignore[no-untyped-def]
-            if drain:
-                _sync()
-            t0 = time.perf_counter()
-            out = real_start(tokens)
-            samples.append(time.perf_counter() - t0)
-            return out
-
-        engine.reader.start = wrapped  # type: ignore[method-assign]
-        while engine.busy:
-            engine.step()
-        results.append(f"{'drained' if drain else 'loop'} {statistics.median(samples[5:]) * 1e6:.1f}")
-    return "  ".join(results)
 
 
 if __name__ == "__main__":

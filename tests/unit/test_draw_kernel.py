@@ -1,0 +1,100 @@
+"""The deterministic draw's Triton kernel (interpreted on CPU) against its torch reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pinpool import PinnedRingBuffer, PoolSettings
+from sampling import BatchMismatchError, SamplingBatchInfo, SamplingParams, draw_reference, launch_draw_sorted
+from sampling.draw import BLOCK
+from tests.fakes import Batch, Req
+
+
+def batch(rng: random.Random, bs: int, vocab: int, flags: str) -> SamplingBatchInfo:
+    params = [
+        SamplingParams(
+            temperature=rng.uniform(0.4, 1.5),
+            top_p=rng.uniform(0.3, 0.95) if "p" in flags else 1.0,
+            top_k=rng.randint(1, vocab + 5) if "k" in flags else -1,
+            min_p=rng.uniform(0.0, 0.2) if "m" in flags else 0.0,
+            seed=rng.randrange(2**40),
+        )
+        for _ in range(bs)
+    ]
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=1 << 16))
+    return SamplingBatchInfo.from_schedule_batch(
+        Batch([Req(p) for p in params]), vocab, pool, owned=True, deterministic=True
+    )
+
+
+def sorted_probs(info: SamplingBatchInfo, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(info), info.vocab_size, generator=gen) * 3.0
+    probs = torch.softmax(logits / info.temperatures, dim=-1)
+    return probs.sort(dim=-1, descending=True, stable=True)
+
+
+@pytest.mark.parametrize("flags", ["", "p", "k", "m", "pkm"])
+@pytest.mark.parametrize(("bs", "vocab"), [(1, 7), (6, 300), (3, 2 * BLOCK + 17)])
+def test_kernel_draws_the_reference_token(flags: str, bs: int, vocab: int) -> None:
+    """Catches a kernel whose hash, filters, running top-p mass across blocks or tie rule differ."""
+    rng = random.Random(hash((flags, bs, vocab)) % 1000)
+    info = batch(rng, bs, vocab, flags)
+    probs_sort, probs_idx = sorted_probs(info, seed=bs + vocab)
+    positions = torch.tensor([rng.randrange(4096) for _ in range(bs)], dtype=torch.int64)
+    want = draw_reference(probs_sort, probs_idx, info, positions)
+    got = launch_draw_sorted(probs_sort, probs_idx, info, positions)
+    assert got.tolist() == want.tolist()
+
+
+def test_kernel_keeps_only_what_the_filters_allow() -> None:
+    """Catches a kernel that ignores top-k: with top_k=1 every draw is the most likely token."""
+    rng = random.Random(5)
+    params = [SamplingParams(temperature=1.0, top_k=1, seed=s) for s in range(8)]
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=1 << 16))
+    info = SamplingBatchInfo.from_schedule_batch(
+        Batch([Req(p) for p in params]), 40, pool, owned=True, deterministic=True
+    )
+    probs_sort, probs_idx = sorted_probs(info, seed=rng.randrange(100))
+    got = launch_draw_sorted(probs_sort, probs_idx, info, torch.arange(8))
+    assert got.tolist() == probs_idx[:, 0].tolist()
+
+
+def test_kernel_depends_on_seed_and_position() -> None:
+    """Catches noise that ignores the seed or the position (every step would draw alike)."""
+    rng = random.Random(9)
+    info = batch(rng, 1, 500, "")
+    probs = torch.full((1, 500), 1 / 500)  # uniform: the noise alone decides
+    idx = torch.arange(500).view(1, 500)
+    tokens = {launch_draw_sorted(probs, idx, info, torch.tensor([pos])).item() for pos in range(20)}
+    assert len(tokens) > 10
+
+
+def test_launcher_refuses_bad_inputs_naming_them() -> None:
+    """Catches a launch on mismatched tensors (a kernel would read out of bounds, not raise)."""
+    rng = random.Random(1)
+    info = batch(rng, 2, 30, "p")
+    probs_sort, probs_idx = sorted_probs(info, seed=0)
+    pos = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(BatchMismatchError, match="'probs_sort' must be contiguous float32"):
+        launch_draw_sorted(probs_sort.double(), probs_idx, info, pos)
+    with pytest.raises(BatchMismatchError, match="'probs_idx' must be contiguous int64"):
+        launch_draw_sorted(probs_sort, probs_idx[:, :10], info, pos)
+    with pytest.raises(BatchMismatchError, match=r"'positions' must be torch.int64 \(2,\)"):
+        launch_draw_sorted(probs_sort, probs_idx, info, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(BatchMismatchError, match=r"'positions' must be torch\.int64"):
+        launch_draw_sorted(probs_sort, probs_idx, info, pos.int())
+
+
+def test_kernel_reads_strided_columns_and_positions() -> None:
+    """Catches a kernel that assumes unit strides (the batch's columns are record fields)."""
+    rng = random.Random(2)
+    info = batch(rng, 5, 90, "pkm")
+    assert info.top_ps.stride(0) != 1
+    probs_sort, probs_idx = sorted_probs(info, seed=4)
+    positions = torch.arange(10, dtype=torch.int64)[::2]
+    want = draw_reference(probs_sort, probs_idx, info, positions)
+    assert launch_draw_sorted(probs_sort, probs_idx, info, positions).tolist() == want.tolist()
