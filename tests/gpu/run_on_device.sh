@@ -30,6 +30,8 @@ if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; t
   torchrun --nproc-per-node 2 -m engine.distributed 2>&1 | tee "$OUT/two_gpu.txt"
   two_rc=${PIPESTATUS[0]}
 fi
+# Where a decode step's staging time goes, per site and mode (diagnostic; ~15 s).
+python3 tests/gpu/decode_breakdown.py >"$OUT/breakdown.txt" 2>&1
 if [ -n "${PINPOOL_PROFILE:-}" ]; then python3 tests/gpu/profile_hot_paths.py >"$OUT/profile.txt" 2>&1; fi
 echo
 echo "== summary ($(head -1 "$OUT/device.txt"), $(sed -n 2p "$OUT/device.txt"))"
