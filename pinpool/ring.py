@@ -213,10 +213,11 @@ class PinnedRingBuffer:
         st._open = False
         self._open = None
         counters = self._counters
-        if not ok and not st.spilled:
+        if not ok and not st.spilled and not st.flushed:
             # Nothing was copied, so the slot's last fence (already passed) still guards
             # it: hand the same slot to the next stage. Its generation moves on, so views
-            # from this stage read as stale.
+            # from this stage read as stale. (A flushed stage has a copy in flight: it
+            # falls through and records its fence like a finished one, invariant 1.)
             counters.aborted_stages += 1
             _log.debug("stage.aborted", slot=st.slot, generation=st.generation)
             return

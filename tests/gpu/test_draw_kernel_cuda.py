@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings
-from sampling import Sampler, SamplingBatchInfo, SamplingParams, draw_reference, launch_draw_sorted
+from sampling import (
+    Sampler,
+    SamplingBatchInfo,
+    SamplingParams,
+    draw_reference,
+    hashed_uniform,
+    launch_draw_sorted,
+    mask_sorted_probs,
+)
 from tests.fakes import Batch, Req
 
 DEV = torch.device("cuda", 0)
@@ -44,7 +52,17 @@ def test_kernel_matches_reference_at_full_vocabulary(flags: str) -> None:
     positions = torch.randint(0, 4096, (256,), device=DEV, generator=gen)
     want = draw_reference(probs_sort, probs_idx, info, positions)
     got = launch_draw_sorted(probs_sort, probs_idx, info, positions)
-    assert torch.equal(got, want)
+    # Exact agreement is expected, but a float32 near-tie may break either way: then both
+    # tokens must be allowed by the filters and score equal in float64 to 1e-5.
+    assert info.sampling_seed is not None
+    dense = torch.zeros_like(probs).scatter_(1, probs_idx, mask_sorted_probs(probs_sort, info)).double()
+    noise = hashed_uniform(info.sampling_seed, positions, VOCAB).double()
+    score = dense.log() - (-noise.log()).log()
+    rows = (got != want).nonzero().flatten().tolist()
+    detail = [(r, int(want[r]), int(got[r]), float(score[r, want[r]]), float(score[r, got[r]])) for r in rows]
+    assert len(rows) <= 2, f"{len(rows)} of 256 rows differ: {detail[:5]}"
+    for _, _, _, s_want, s_got in detail:
+        assert s_got > float("-inf") and abs(s_want - s_got) <= 1e-5 * max(1.0, abs(s_want)), detail
 
 
 def test_sampler_on_cuda_uses_the_kernel_and_agrees_with_the_eager_path() -> None:

@@ -3,11 +3,13 @@ error before any state changes, and the next normal operation still works."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from memcache import CacheIndexError, ReqToTokenPool, write_cache_indices
 from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolSettings
+from pinpool.simulated import LaggingGpu
 from pinpool.transport import CudaTransport
 
 
@@ -63,3 +65,20 @@ def test_write_cache_indices_recovers_after_a_refused_batch() -> None:
         write_cache_indices(req_to_token_pool=rtt, pool=p, **{**ok, "seq_lens": [17], "extend_lens": [16]})
     write_cache_indices(req_to_token_pool=rtt, pool=p, backend="torch", **ok)
     assert rtt.req_to_token[2, :3].tolist() == [5, 7, 8]
+
+
+def test_a_stage_that_fails_after_flush_still_fences_its_copy() -> None:
+    """Catches a slot handed to the next stage while the failed stage's issued copy may still be pending."""
+    gpu = LaggingGpu(max_lag=1000, seed=0)
+    gpu._rng.randint = lambda a, b: b  # type: ignore[method-assign]  # the GPU never catches up on its own
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=256), transport=gpu)
+    with pytest.raises(RuntimeError, match="model failed"), pool.stage() as st:
+        view = st.put([1, 2, 3], torch.int64)
+        st.flush()
+        gpu.enqueue_check(view, np.array([1, 2, 3]), "flushed stage")
+        raise RuntimeError("model failed")
+    for _ in range(4):  # laps the ring: each stage must wait for the failed stage's copy
+        with pool.stage() as other:
+            other.put([9, 9, 9], torch.int64)
+    gpu.drain()
+    assert gpu.races == [] and gpu.mismatches == []
