@@ -213,8 +213,38 @@ class Engine:
         # The scheduler's lists are built outside the clock: every mode needs them, and
         # the clock is for what the modes do differently (moving them to the GPU).
         rows, positions = [r.row for r in reqs], [r.seq_len for r in reqs]
+        exchange = None
         with self.staging("decode.upload"):
-            rows_d, positions_d = self.uploader.upload("step", [(rows, torch.int64), (positions, torch.int64)])
+            if self.mode == "pool":
+                # One slot for the step, both ways: the metadata up now, the tokens back
+                # after the sampler, one fence (Stage.readback).
+                exchange = self.pool.stage()
+                rows_d, positions_d = exchange.put(rows, torch.int64), exchange.put(positions, torch.int64)
+                exchange.flush()
+            else:
+                rows_d, positions_d = self.uploader.upload("step", [(rows, torch.int64), (positions, torch.int64)])
+        try:
+            self._launch_decode(reqs, bs, rows_d, positions_d, out_cache_loc)
+        except BaseException:
+            if exchange is not None:
+                exchange.close(ok=False)
+            raise
+        assert self.last_tokens is not None
+        with self.staging("decode.readback"):
+            if exchange is None:
+                return self.reader.start(self.last_tokens)
+            handle = exchange.readback(self.last_tokens)
+            exchange.close()
+            return self.reader.wrap(handle)
+
+    def _launch_decode(
+        self,
+        reqs: list[Request],
+        bs: int,
+        rows_d: torch.Tensor,
+        positions_d: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+    ) -> None:
         max_len = max(r.seq_len for r in reqs) + 1
         for r in reqs:
             r.seq_len += 1
@@ -239,8 +269,6 @@ class Engine:
         if self.record_gpu:
             end.record()
             self.times.gpu_events.append((start, end))
-        with self.staging("decode.readback"):
-            return self.reader.start(self.last_tokens)
 
     def _sampling_info(self, reqs: list[Request]) -> Any:
         if self.mode == "pool":

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from engine.uploader import Mode
-from pinpool import PinnedRingBuffer
+from pinpool import PinnedRingBuffer, Readback
 
 Pending = Callable[[], list[int]]
 
@@ -32,19 +32,7 @@ class TokenReader:
     def start(self, tokens: torch.Tensor) -> Pending:
         """Queue the copy of ``tokens`` (int64 [n], device) now; the returned call reads it."""
         if self.mode == "pool":
-            handle = self.pool.readback(tokens)
-
-            def read_pool() -> list[int]:
-                if handle.ready():
-                    values: list[int] = handle.tolist()
-                    return values
-                self.waits += 1
-                start = time.perf_counter()
-                values = handle.tolist()
-                self.wait_seconds += time.perf_counter() - start
-                return values
-
-            return read_pool
+            return self.wrap(self.pool.readback(tokens))
         if self.mode == "sync" or not self._cuda:
 
             def read_sync() -> list[int]:
@@ -76,6 +64,21 @@ class TokenReader:
             return host.tolist()
 
         return read_event
+
+    def wrap(self, handle: Readback) -> Pending:
+        """The read of a pool read-back already queued (``pool.readback`` or ``Stage.readback``)."""
+
+        def read_pool() -> list[int]:
+            if handle.ready():
+                values: list[int] = handle.tolist()
+                return values
+            self.waits += 1
+            start = time.perf_counter()
+            values = handle.tolist()
+            self.wait_seconds += time.perf_counter() - start
+            return values
+
+        return read_pool
 
     def _grow(self, n: int) -> None:
         size = max(n, 256) * 2

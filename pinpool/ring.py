@@ -59,7 +59,7 @@ class PinnedRingBuffer:
         self._view_cache: list[dict[tuple[torch.dtype, int, int], torch.Tensor]] = [{} for _ in range(num_slots)]
         # Copy ranges per (slot, bytes): one host and one device view, reused every lap.
         self._copy_ranges: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(num_slots)]
-        self._readback_cache: list[dict[tuple[torch.dtype, torch.Size], tuple[torch.Tensor, Any]]] = [
+        self._readback_cache: list[dict[tuple[torch.dtype, torch.Size, int], tuple[torch.Tensor, Any]]] = [
             {} for _ in range(num_slots)
         ]
         self._fences: list[Fence] = [self._transport.new_fence() for _ in range(num_slots)]
@@ -120,18 +120,10 @@ class PinnedRingBuffer:
         self._check_usable()
         if stream is not None:
             self._transport.check_stream(stream)
-        if src.device != self.device:
-            raise DeviceMismatchError(f"'src' must be on the pool's device {self.device} (got {src.device})")
-        if src.dtype not in NUMPY_DTYPE or not src.is_contiguous():
-            raise PoolStateError(f"'src' must be contiguous with a numpy dtype (got {src.dtype})")
-        nbytes = src.numel() * src.element_size()
-        if nbytes > self.settings.slot_bytes:
-            raise CapacityError(
-                f"'src' needs {nbytes} bytes but a slot holds {self.settings.slot_bytes}; raise PoolSettings.slot_bytes"
-            )
+        nbytes = self._check_readback_src(src, 0)
         slot = self._claim_slot()
         fence = self._fences[slot]
-        host_t, host_np = self._readback_views(slot, src.dtype, src.shape, nbytes)
+        host_t, host_np = self._readback_views(slot, src.dtype, src.shape, nbytes, 0)
         self._transport.copy(host_t, src, stream)
         fence.record(stream)
         self._next_slot = (slot + 1) % self.settings.num_slots
@@ -223,7 +215,7 @@ class PinnedRingBuffer:
             return
         if ok and not st.flushed:
             self._copy(st)
-        if st.used_bytes == 0 and not st.spilled:
+        if st.used_bytes == 0 and not st.spilled and not st.read_back:
             counters.stages += 1
             return
         self._fences[st.slot].record(st.stream)
@@ -234,9 +226,37 @@ class PinnedRingBuffer:
         if not ok:
             counters.aborted_stages += 1
 
+    def _stage_readback(self, st: Stage, src: torch.Tensor, offset: int) -> Readback:
+        nbytes = self._check_readback_src(src, offset)
+        host_t, host_np = self._readback_views(st.slot, src.dtype, src.shape, nbytes, offset)
+        self._transport.copy(host_t, src, st.stream)
+        # The fence is recorded now, after this copy, so the handle never reports a copy
+        # as landed before it ran; the stage's exit records it again (later: still safe).
+        self._fences[st.slot].record(st.stream)
+        counters = self._counters
+        counters.readbacks += 1
+        counters.bytes_read_back += nbytes
+        return Readback(self, st.slot, st.generation, self._fences[st.slot], host_np)
+
     # -- internals ---------------------------------------------------------------------
+    def _check_readback_src(self, src: torch.Tensor, offset: int) -> int:
+        """Bytes of ``src`` once it is known to be a readable device tensor that fits at ``offset``."""
+        if not isinstance(src, torch.Tensor):
+            raise PoolStateError(f"'src' must be a torch.Tensor (got {type(src).__name__})")
+        if src.device != self.device:
+            raise DeviceMismatchError(f"'src' must be on the pool's device {self.device} (got {src.device})")
+        if src.dtype not in NUMPY_DTYPE or not src.is_contiguous():
+            raise PoolStateError(f"'src' must be contiguous with a numpy dtype (got {src.dtype})")
+        nbytes = src.numel() * src.element_size()
+        if offset + nbytes > self.settings.slot_bytes:
+            raise CapacityError(
+                f"'src' needs {nbytes} bytes but the slot has {self.settings.slot_bytes - offset} of "
+                f"{self.settings.slot_bytes} left; raise PoolSettings.slot_bytes"
+            )
+        return nbytes
+
     def _readback_views(
-        self, slot: int, dtype: torch.dtype, shape: torch.Size, nbytes: int
+        self, slot: int, dtype: torch.dtype, shape: torch.Size, nbytes: int, offset: int
     ) -> tuple[torch.Tensor, Any]:
         """(pinned torch view, numpy view) of the slot's first bytes, shaped like the source.
 
@@ -244,14 +264,15 @@ class PinnedRingBuffer:
         more host time than the copy itself, so they are made once per slot and shape.
         """
         cache = self._readback_cache[slot]
-        key = (dtype, shape)
+        key = (dtype, shape, offset)
         views = cache.get(key)
         if views is None:
             if len(cache) >= 64:
                 cache.clear()
-            numel = nbytes // self._host_views[slot][dtype].itemsize
-            host_np = self._host_views[slot][dtype][:numel].reshape(shape)
-            host_t = self._host_slots[slot][:nbytes].view(dtype).view(shape)
+            itemsize = self._host_views[slot][dtype].itemsize
+            first = offset // itemsize
+            host_np = self._host_views[slot][dtype][first : first + nbytes // itemsize].reshape(shape)
+            host_t = self._host_slots[slot][offset : offset + nbytes].view(dtype).view(shape)
             views = cache[key] = (host_t, host_np)
         return views
 

@@ -23,6 +23,7 @@ from pinpool.settings import OverflowPolicy
 from pinpool.transport import Stream
 
 if TYPE_CHECKING:
+    from pinpool.readback import Readback
     from pinpool.ring import PinnedRingBuffer
 
 _ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in [*NUMPY_DTYPE, torch.bfloat16]}
@@ -47,6 +48,7 @@ class Stage:
         "_view_cache",
         "flushed",
         "generation",
+        "read_back",
         "slot",
         "spilled",
         "stream",
@@ -80,6 +82,7 @@ class Stage:
         self._open = True
         self.flushed = False
         self.spilled = False
+        self.read_back = False
 
     # -- context manager ---------------------------------------------------------------
     def __enter__(self) -> Stage:
@@ -172,6 +175,26 @@ class Stage:
         if not self.flushed:
             self._pool._copy(self)
             self.flushed = True
+
+    def readback(self, src: torch.Tensor) -> Readback:
+        """Copy the device tensor ``src`` back into this stage's slot, under the slot's fence.
+
+        For a step that uploads its metadata and reads back its result: put, launch the
+        step's kernels, then ``readback`` their output. The upload copy is issued first
+        (``flush()`` if not done yet), so one slot and one fence serve both directions
+        instead of two. Nothing can be put after it. Read the handle within ``num_slots``
+        stages, like ``pool.readback``.
+        """
+        if not self._open:
+            self._check_open()
+        if not self.flushed:
+            self.flush()
+        align = self._align
+        offset = (self._cursor + align - 1) // align * align
+        handle = self._pool._stage_readback(self, src, offset)
+        self._cursor = offset + src.numel() * src.element_size()
+        self.read_back = True
+        return handle
 
     # -- lease -------------------------------------------------------------------------
     @property

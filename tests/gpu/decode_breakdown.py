@@ -99,49 +99,7 @@ def main() -> None:
                 r = per_step(mode, running, drain)
                 cells = "  ".join(f"{r.get(s, float('nan')):15.1f}" for s in (*SITES, "wall"))
                 print(f"{running:7d} {mode:11s} {'drained' if drain else 'loop':8s}  {cells}   {iso:8.1f}")
-    print("readback checkpoints, pool, 64 running (µs):", checkpoints())
     print("\n######## cProfile, pool mode, 64 running, 40 steps\n" + profile_pool(64))
-
-
-def checkpoints(running: int = 64) -> str:
-    """µs between checkpoints inside pool.readback, in the loop (median over decode steps)."""
-    from pinpool.readback import Readback
-    from pinpool.ring import PinnedRingBuffer
-
-    marks: dict[str, list[float]] = {}
-
-    def readback(self: PinnedRingBuffer, src: torch.Tensor, *, stream: object = None) -> Readback:
-        t = [time.perf_counter()]
-        self._check_usable()
-        ok = src.device == self.device and src.is_contiguous()
-        t.append(time.perf_counter())
-        nbytes = src.numel() * src.element_size()
-        slot = self._claim_slot()
-        t.append(time.perf_counter())
-        fence = self._fences[slot]
-        host_t, host = self._readback_views(slot, src.dtype, src.shape, nbytes)
-        t.append(time.perf_counter())
-        self._transport.copy(host_t, src, None)
-        t.append(time.perf_counter())
-        fence.record(None)
-        t.append(time.perf_counter())
-        self._next_slot = (slot + 1) % self.settings.num_slots
-        out = Readback(self, slot, self._generation, fence, host)
-        t.append(time.perf_counter())
-        assert ok
-        for name, a, b in zip(("checks", "claim", "views", "copy", "record", "handle"), t, t[1:], strict=False):
-            marks.setdefault(name, []).append(b - a)
-        return out
-
-    original = PinnedRingBuffer.readback
-    PinnedRingBuffer.readback = readback  # type: ignore[method-assign]
-    try:
-        per_step("pool", running, False)
-        marks.clear()
-        per_step("pool", running, False)
-    finally:
-        PinnedRingBuffer.readback = original  # type: ignore[method-assign]
-    return "  ".join(f"{k} {statistics.median(v) * 1e6:.1f}" for k, v in marks.items())
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pinpool import PinnedRingBuffer, PoolSettings, Readback, StaleLeaseError
+from pinpool import CapacityError, PinnedRingBuffer, PoolSettings, Readback, StaleLeaseError
 from pinpool.simulated import LaggingGpu
 
 
@@ -113,3 +113,50 @@ def test_readback_tolist_is_refused_after_recycle_like_values() -> None:
     pool.readback(torch.arange(2))
     with pytest.raises(StaleLeaseError, match="recycled"):
         rb.tolist()
+
+
+def test_stage_readback_shares_the_slot_and_fence_with_the_upload() -> None:
+    """Catches a step exchange that takes a second slot, or reads back before the upload copy."""
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=4, slot_bytes=256))
+    with pool.stage() as st:
+        up = st.put([1, 2, 3], torch.int64)
+        st.flush()  # the upload's copy, before the "kernel" that reads it
+        result = up * 10
+        handle = st.readback(result)
+        with pytest.raises(Exception, match="flushed"):
+            st.put([4], torch.int64)
+    assert handle.tolist() == [10, 20, 30] and handle.slot == st.slot
+    stats = pool.stats()
+    assert (stats.stages, stats.copies, stats.readbacks) == (1, 1, 1)
+    with pool.stage() as nxt:
+        nxt.put([0], torch.int64)
+    assert nxt.slot == (st.slot + 1) % 4
+
+
+def test_stage_readbacks_under_lag_never_race_and_read_their_own_values() -> None:
+    """Catches a stage readback whose slot is reused (host region rewritten) before its copy ran."""
+    gpu = LaggingGpu(max_lag=12, seed=4)
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=3, slot_bytes=512), transport=gpu)
+    rng = random.Random(0)
+    pending: list[tuple[Readback, list[int]]] = []
+    for step in range(300):
+        values = [rng.randrange(1000) for _ in range(rng.randint(1, 20))]
+        with pool.stage() as st:
+            st.put(values, torch.int64)
+            handle = st.readback(torch.tensor(values) + step)
+        pending.append((handle, [v + step for v in values]))
+        if len(pending) > 2:  # read two steps late, within num_slots
+            old, want = pending.pop(0)
+            assert old.tolist() == want
+    gpu.drain()
+    assert gpu.races == []
+
+
+def test_stage_readback_that_does_not_fit_is_refused_before_any_copy() -> None:
+    """Catches a readback written past the end of its slot."""
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=64))
+    with pool.stage() as st:
+        st.put([1] * 6, torch.int64)
+        with pytest.raises(CapacityError, match="'src' needs 32 bytes"):
+            st.readback(torch.zeros(4, dtype=torch.int64))
+    assert pool.stats().readbacks == 0
