@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from sampling.sampler import SamplingTensors
 
 BLOCK = 1024
+UNIT_BITS = 23  # hash bits per uniform; see unit_from_bits
 _NO_TOKEN = tl.constexpr(1 << 62)  # constexpr: a jit function may read only constexpr globals
 
 # Odd 63-bit multipliers for the counter hash (int64 arithmetic wraps identically on
@@ -56,8 +57,18 @@ def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
     """float32 [bs, vocab] in (0, 1): a pure function of (seed, position, token id)."""
     key = _mix(seeds.to(torch.int64) * _SEED_MUL + positions.to(torch.int64) * _POS_MUL)
     tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * _TOKEN_MUL
-    bits = _shr(_mix(key[:, None] + tokens[None, :]), 40)  # top 24 bits: exact in float32
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return unit_from_bits(_shr(_mix(key[:, None] + tokens[None, :]), 64 - UNIT_BITS))
+
+
+def unit_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """float32 (bits + 0.5) / 2**UNIT_BITS: strictly inside (0, 1), every value exact.
+
+    With 24 bits the top value, 1 - 2**-25, rounds to 1.0 in float32; its Gumbel noise is
+    then infinite, and on a token the filters removed (log 0 = -inf) the score is NaN,
+    which argmax takes as the maximum: about one row in 500 at a 32k vocabulary drew a
+    filtered token. 23 bits keep the top value at 1 - 2**-24, which float32 holds.
+    """
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << UNIT_BITS))
 
 
 def filter_sorted_probs(probs: torch.Tensor, info: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,8 +192,8 @@ def _draw_sorted_kernel(
             keep = keep & (offs < top_k)
         if MIN_P:
             keep = keep & (p >= floor)
-        bits = _shr_tl(_mix_tl(key + token * 0x2545F4914F6CDD1D), 40)
-        u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        bits = _shr_tl(_mix_tl(key + token * 0x2545F4914F6CDD1D), 41)  # the top UNIT_BITS = 23 bits
+        u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as unit_from_bits: strictly inside (0, 1)
         score = tl.where(keep, _log(tl.where(keep, p, 1.0)) - _log(-_log(u)), float("-inf"))
         block_best = tl.max(score, 0)
         block_token = tl.min(tl.where(keep & (score == block_best), token, _NO_TOKEN), 0)

@@ -12,7 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_two_workers_match_single_worker_replays() -> None:
     """Catches a worker whose token streams depend on the process layout, or a broken launch path."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # CUDA hidden: a rehearsal on CPU everywhere, also on a one-GPU machine, where two
+    # ranks would otherwise look for a second GPU.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(
         [
             sys.executable,

@@ -98,3 +98,13 @@ def test_kernel_reads_strided_columns_and_positions() -> None:
     positions = torch.arange(10, dtype=torch.int64)[::2]
     want = draw_reference(probs_sort, probs_idx, info, positions)
     assert launch_draw_sorted(probs_sort, probs_idx, info, positions).tolist() == want.tolist()
+
+
+def test_noise_stays_strictly_inside_zero_and_one_at_the_extremes() -> None:
+    """Catches a uniform that reaches 1.0 (infinite Gumbel noise; NaN on a filtered token)."""
+    from sampling.draw import UNIT_BITS, unit_from_bits
+
+    extremes = unit_from_bits(torch.tensor([0, (1 << UNIT_BITS) - 1], dtype=torch.int64))
+    assert extremes[0].item() > 0.0 and extremes[1].item() < 1.0
+    gumbel = -torch.log(-torch.log(extremes))
+    assert torch.isfinite(gumbel).all()
