@@ -14,7 +14,10 @@ def test_two_workers_match_single_worker_replays() -> None:
     """Catches a worker whose token streams depend on the process layout, or a broken launch path."""
     # CUDA hidden: a rehearsal on CPU everywhere, also on a one-GPU machine, where two
     # ranks would otherwise look for a second GPU.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    # PYTHONPATH extended, not replaced: packages installed there (the GPU image's
+    # structlog) must stay importable in the workers.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(
         [
             sys.executable,
