@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class Readback:
     """A pending device-to-host copy into one ring slot."""
 
-    __slots__ = ("_fence", "_host", "_pool", "generation", "slot")
+    __slots__ = ("_fence", "_host", "_landed_seen", "_pool", "generation", "slot")
 
     def __init__(self, pool: PinnedRingBuffer, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any]):
         self._pool = pool
@@ -30,10 +30,13 @@ class Readback:
         self.generation = generation
         self._fence = fence
         self._host = host
+        self._landed_seen = False  # a fence once passed stays passed (until the slot is recycled)
 
     def ready(self) -> bool:
         """True once the copy has landed (never blocks)."""
-        return self._fence.query()
+        if not self._landed_seen:
+            self._landed_seen = self._fence.query()
+        return self._landed_seen
 
     def values(self) -> np.ndarray[Any, Any]:
         """The copied values as a numpy array of their own (waits if the copy is still queued)."""
@@ -55,5 +58,7 @@ class Readback:
                 f"readback of generation {self.generation} (slot {self.slot}) was read after the slot was recycled; "
                 "read it within num_slots stages"
             )
-        if not self._fence.query():
-            self._pool._readback_wait(self._fence)
+        if not self._landed_seen:
+            if not self._fence.query():
+                self._pool._readback_wait(self._fence)
+            self._landed_seen = True

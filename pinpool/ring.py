@@ -42,7 +42,7 @@ class PinnedRingBuffer:
                 f"'transport' must serve the settings' device {self.settings.device} (got {self._transport.device})"
             )
         slot_bytes, num_slots = self.settings.slot_bytes, self.settings.num_slots
-        self.host_slab = self._transport.alloc_host(slot_bytes * num_slots)
+        self.host_slab = self._transport.alloc_host_slab(slot_bytes * num_slots)
         self.device_mirror = self._transport.alloc_device(slot_bytes * num_slots)
         self._host_slots = [self.host_slab[i * slot_bytes : (i + 1) * slot_bytes] for i in range(num_slots)]
         self._device_slots = [self.device_mirror[i * slot_bytes : (i + 1) * slot_bytes] for i in range(num_slots)]
@@ -159,6 +159,7 @@ class PinnedRingBuffer:
             fence.synchronize()  # sync-ok: teardown, once per pool; copies must finish before free
         self._closed = True
         self._retained = [[] for _ in self._retained]
+        self._transport.release_host_slab(self.host_slab)
         _log.info("pool.closed", device=str(self.device), **attrs.asdict(self._counters))
 
     def __del__(self) -> None:
@@ -169,6 +170,7 @@ class PinnedRingBuffer:
         try:
             for fence in self._fences:
                 fence.synchronize()  # sync-ok: finaliser of an unclosed pool, once
+            self._transport.release_host_slab(self.host_slab)
         except Exception:  # interpreter shutdown: the CUDA context may already be gone
             return
 
@@ -218,7 +220,10 @@ class PinnedRingBuffer:
         if st.used_bytes == 0 and not st.spilled and not st.read_back:
             counters.stages += 1
             return
-        self._fences[st.slot].record(st.stream)
+        if not st.read_back:
+            # (After a stage read-back, its fence is already recorded after every copy of
+            # the stage, and nothing may be added to it: recording again is only cost.)
+            self._fences[st.slot].record(st.stream)
         self._next_slot = (st.slot + 1) % self.settings.num_slots
         counters.stages += 1
         if st.owned:

@@ -179,11 +179,13 @@ class Stage:
     def readback(self, src: torch.Tensor) -> Readback:
         """Copy the device tensor ``src`` back into this stage's slot, under the slot's fence.
 
-        For a step that uploads its metadata and reads back its result: put, launch the
-        step's kernels, then ``readback`` their output. The upload copy is issued first
-        (``flush()`` if not done yet), so one slot and one fence serve both directions
-        instead of two. Nothing can be put after it. Read the handle within ``num_slots``
-        stages, like ``pool.readback``.
+        For a step that uploads its metadata and reads back its result: put, flush, launch
+        the step's kernels, then ``readback`` their output. One slot and one fence serve
+        both directions instead of two. The fence is recorded here, after this copy, so
+        call it last: kernels that read the stage's data or its retained tensors must be
+        launched before it, and nothing can be put or retained after it. Several
+        read-backs may follow each other. Read the handle within ``num_slots`` stages,
+        like ``pool.readback``.
         """
         if not self._open:
             self._check_open()

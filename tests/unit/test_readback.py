@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pinpool import CapacityError, PinnedRingBuffer, PoolSettings, Readback, StaleLeaseError
+from pinpool import CapacityError, PinnedRingBuffer, PoolSettings, PoolStateError, Readback, StaleLeaseError
 from pinpool.simulated import LaggingGpu
 
 
@@ -160,3 +160,30 @@ def test_stage_readback_that_does_not_fit_is_refused_before_any_copy() -> None:
         with pytest.raises(CapacityError, match="'src' needs 32 bytes"):
             st.readback(torch.zeros(4, dtype=torch.int64))
     assert pool.stats().readbacks == 0
+
+
+def test_stage_readback_records_one_fence_and_refuses_retain_after_it() -> None:
+    """Catches a second fence record per step, or a retain the recorded fence would not cover."""
+    gpu = LaggingGpu(max_lag=4, seed=1)
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=256), transport=gpu)
+    records: list[int] = []
+    for fence in pool._fences:
+        original = fence.record
+        fence.record = lambda stream, original=original: (records.append(1), original(stream))  # type: ignore[method-assign]
+    with pool.stage() as st:
+        st.put([1, 2], torch.int64)
+        st.flush()
+        handle = st.readback(torch.tensor([5, 6]))
+        with pytest.raises(PoolStateError, match="flushed"):  # retained objects must come before the flush
+            st.retain(torch.zeros(1))
+    assert len(records) == 1
+    assert handle.tolist() == [5, 6]
+
+
+def test_close_hands_the_slab_back_to_the_transport_once() -> None:
+    """Catches a registered slab never unregistered (or unregistered twice) at close."""
+    gpu = LaggingGpu(max_lag=4, seed=2)
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=64), transport=gpu)
+    pool.close()
+    pool.close()
+    assert gpu.released_slabs == 1
