@@ -42,7 +42,7 @@ class PinnedRingBuffer:
                 f"'transport' must serve the settings' device {self.settings.device} (got {self._transport.device})"
             )
         slot_bytes, num_slots = self.settings.slot_bytes, self.settings.num_slots
-        self.host_slab = self._transport.alloc_host_slab(slot_bytes * num_slots)
+        self.host_slab = self._transport.alloc_host(slot_bytes * num_slots)
         self.device_mirror = self._transport.alloc_device(slot_bytes * num_slots)
         self._host_slots = [self.host_slab[i * slot_bytes : (i + 1) * slot_bytes] for i in range(num_slots)]
         self._device_slots = [self.device_mirror[i * slot_bytes : (i + 1) * slot_bytes] for i in range(num_slots)]
@@ -159,7 +159,6 @@ class PinnedRingBuffer:
             fence.synchronize()  # sync-ok: teardown, once per pool; copies must finish before free
         self._closed = True
         self._retained = [[] for _ in self._retained]
-        self._transport.release_host_slab(self.host_slab)
         _log.info("pool.closed", device=str(self.device), **attrs.asdict(self._counters))
 
     def __del__(self) -> None:
@@ -170,7 +169,6 @@ class PinnedRingBuffer:
         try:
             for fence in self._fences:
                 fence.synchronize()  # sync-ok: finaliser of an unclosed pool, once
-            self._transport.release_host_slab(self.host_slab)
         except Exception:  # interpreter shutdown: the CUDA context may already be gone
             return
 

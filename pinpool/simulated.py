@@ -53,17 +53,10 @@ class LaggingGpu:
         self.host_waits = 0
         self.races: list[str] = []
         self.mismatches: list[str] = []
-        self.released_slabs = 0
 
     # -- Transport ---------------------------------------------------------------------
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
-
-    def alloc_host_slab(self, nbytes: int) -> torch.Tensor:
-        return self.alloc_host(nbytes)
-
-    def release_host_slab(self, slab: torch.Tensor) -> None:
-        self.released_slabs += 1
 
     def alloc_device(self, nbytes: int) -> torch.Tensor:
         return torch.full((nbytes,), 0xAB, dtype=torch.uint8)

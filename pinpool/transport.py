@@ -33,17 +33,7 @@ class Transport(Protocol):
     #: True when host memory is page-locked, so copies from it are truly asynchronous.
     pinned: bool
 
-    def alloc_host(self, nbytes: int) -> torch.Tensor:
-        """A one-off host buffer, freed by reference counting (spills)."""
-        ...
-
-    def alloc_host_slab(self, nbytes: int) -> torch.Tensor:
-        """The ring's long-lived host slab; handed back with ``release_host_slab``."""
-        ...
-
-    def release_host_slab(self, slab: torch.Tensor) -> None:
-        """Called once, by ``close()``, after every copy touching ``slab`` has finished."""
-        ...
+    def alloc_host(self, nbytes: int) -> torch.Tensor: ...
 
     def alloc_device(self, nbytes: int) -> torch.Tensor: ...
 
@@ -56,10 +46,6 @@ class Transport(Protocol):
     def stream_wait(self, waiter: Stream | None, fence: Fence) -> None: ...
 
     def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream | None) -> None: ...
-
-
-_PAGE = 4096
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 class _NoFence:
@@ -85,12 +71,6 @@ class HostTransport:
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
-
-    def alloc_host_slab(self, nbytes: int) -> torch.Tensor:
-        return self.alloc_host(nbytes)
-
-    def release_host_slab(self, slab: torch.Tensor) -> None:
-        return None
 
     def alloc_device(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -140,7 +120,6 @@ class CudaTransport:
         self.device = device
         self._index = device.index if device.index is not None else torch.cuda.current_device()
         self._current: torch.cuda.Stream | None = None
-        self._registered: dict[int, torch.Tensor] = {}  # slab address -> the host buffer holding it
 
     def current_stream(self) -> torch.cuda.Stream:
         """The device's current stream, as ``torch.cuda.current_stream`` but without its Python overhead."""
@@ -157,38 +136,6 @@ class CudaTransport:
         # allocation does not create a context on GPU 0.
         with torch.cuda.device(self.device):
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def alloc_host_slab(self, nbytes: int) -> torch.Tensor:
-        """Plain host memory page-locked with ``cudaHostRegister``, not torch's caching allocator.
-
-        For memory from ``pin_memory=True``, every non-blocking copy also records a CUDA
-        event in torch's caching host allocator, so the allocator knows when it may reuse
-        the block. The ring never returns its slab and guards reuse with its own fences,
-        so that event is pure host cost, on every stage and read-back: registered memory
-        is unknown to the allocator and skips it. Page-aligned, registered portable (any
-        device's context may copy from it).
-        """
-        page = _PAGE
-        raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
-        start = -raw.data_ptr() % page
-        size = (nbytes + page - 1) // page * page
-        ptr = raw.data_ptr() + start
-        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        with torch.cuda.device(self.device):
-            err = cudart.cudaHostRegister(ptr, size, _HOST_REGISTER_PORTABLE)
-        if int(err) != 0:
-            raise DeviceMismatchError(
-                f"cudaHostRegister of {size} bytes failed (error {int(err)}); the host cannot page-lock "
-                "the ring's slab: lower PoolSettings.slot_bytes or num_slots"
-            )
-        self._registered[ptr] = raw
-        return raw[start : start + nbytes]
-
-    def release_host_slab(self, slab: torch.Tensor) -> None:
-        ptr = slab.data_ptr()
-        if self._registered.pop(ptr, None) is not None:
-            with torch.cuda.device(self.device):
-                torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
 
     def alloc_device(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
