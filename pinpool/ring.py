@@ -233,8 +233,9 @@ class PinnedRingBuffer:
         nbytes = self._check_readback_src(src, offset)
         host_t, host_np = self._readback_views(st.slot, src.dtype, src.shape, nbytes, offset)
         self._transport.copy(host_t, src, st.stream)
-        # The fence is recorded now, after this copy, so the handle never reports a copy
-        # as landed before it ran; the stage's exit records it again (later: still safe).
+        # The fence is recorded now, after this copy (and so after the stage's upload and
+        # every kernel launched before): the handle never reports a copy as landed before
+        # it ran, and the stage's exit need not record it again.
         self._fences[st.slot].record(st.stream)
         counters = self._counters
         counters.readbacks += 1
@@ -261,7 +262,7 @@ class PinnedRingBuffer:
     def _readback_views(
         self, slot: int, dtype: torch.dtype, shape: torch.Size, nbytes: int, offset: int
     ) -> tuple[torch.Tensor, Any]:
-        """(pinned torch view, numpy view) of the slot's first bytes, shaped like the source.
+        """(pinned torch view, numpy view) of the slot's bytes at ``offset``, shaped like the source.
 
         A decode loop reads back the same shape every step; building the two views costs
         more host time than the copy itself, so they are made once per slot and shape.
