@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     bench.add_argument("--batch-sizes", type=_ints, default=(1, 64, 256, 1024, 4096), help="e.g. 1,64,256")
     bench.add_argument("--iters", type=int, default=100, help="timed calls per block")
-    bench.add_argument("--repeats", type=int, default=3, help="blocks; the median block is reported")
+    bench.add_argument(
+        "--repeats", type=int, default=3, help="blocks (decode loop: rounds per mode); the median is reported"
+    )
     bench.add_argument("--workloads", default=None, help="comma-separated subset of the registered workloads")
     bench.add_argument("--modes", default="sync,pinned,persistent,pool", help="staging modes to compare")
     bench.add_argument("--steps", type=int, default=None, help="decode loop: new tokens per request")
