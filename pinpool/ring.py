@@ -122,15 +122,9 @@ class PinnedRingBuffer:
             self._transport.check_stream(stream)
         nbytes = self._check_readback_src(src, 0)
         slot = self._claim_slot()
-        fence = self._fences[slot]
-        host_t, host_np = self._readback_views(slot, src.dtype, src.shape, nbytes, 0)
-        self._transport.copy(host_t, src, stream)
-        fence.record(stream)
+        handle = self._copy_back(slot, self._generation, src, nbytes, 0, stream)
         self._next_slot = (slot + 1) % self.settings.num_slots
-        counters = self._counters
-        counters.readbacks += 1
-        counters.bytes_read_back += nbytes
-        return Readback(self, slot, self._generation, fence, host_np)
+        return handle
 
     def register_consumer_stream(self, stream: Stream) -> None:
         """Protect staged slices read on ``stream`` (design invariant 2).
@@ -230,17 +224,24 @@ class PinnedRingBuffer:
             counters.aborted_stages += 1
 
     def _stage_readback(self, st: Stage, src: torch.Tensor, offset: int) -> Readback:
+        # The fence is recorded after this copy (and so after the stage's upload and every
+        # kernel launched before): the handle never reports a copy as landed before it
+        # ran, and the stage's exit need not record it again.
         nbytes = self._check_readback_src(src, offset)
-        host_t, host_np = self._readback_views(st.slot, src.dtype, src.shape, nbytes, offset)
-        self._transport.copy(host_t, src, st.stream)
-        # The fence is recorded now, after this copy (and so after the stage's upload and
-        # every kernel launched before): the handle never reports a copy as landed before
-        # it ran, and the stage's exit need not record it again.
-        self._fences[st.slot].record(st.stream)
+        return self._copy_back(st.slot, st.generation, src, nbytes, offset, st.stream)
+
+    def _copy_back(
+        self, slot: int, generation: int, src: torch.Tensor, nbytes: int, offset: int, stream: Stream | None
+    ) -> Readback:
+        """One device-to-pinned copy into ``slot`` at ``offset``, then the slot's fence."""
+        host_t, host_np = self._readback_views(slot, src.dtype, src.shape, nbytes, offset)
+        self._transport.copy(host_t, src, stream)
+        fence = self._fences[slot]
+        fence.record(stream)
         counters = self._counters
         counters.readbacks += 1
         counters.bytes_read_back += nbytes
-        return Readback(self, st.slot, st.generation, self._fences[st.slot], host_np)
+        return Readback(self, slot, generation, fence, host_np)
 
     # -- internals ---------------------------------------------------------------------
     def _check_readback_src(self, src: torch.Tensor, offset: int) -> int:
