@@ -33,6 +33,11 @@ fi
 # Where a decode step's staging time goes, per site and mode (diagnostic; ~15 s).
 python3 tests/gpu/decode_breakdown.py >"$OUT/breakdown.txt" 2>&1
 if [ -n "${PINPOOL_PROFILE:-}" ]; then python3 tests/gpu/profile_hot_paths.py >"$OUT/profile.txt" 2>&1; fi
+# PINPOOL_DIAG="primitive_costs copy_latency": more diagnostics from tests/gpu, printed here.
+for diag in ${PINPOOL_DIAG:-}; do
+  echo "== $diag"
+  python3 "tests/gpu/$diag.py" 2>&1 | tee "$OUT/$diag.txt"
+done
 echo
 echo "== summary ($(head -1 "$OUT/device.txt"), $(sed -n 2p "$OUT/device.txt"))"
 echo "gpu tests : rc=$gpu_rc  $(tail -1 "$OUT/gpu_tests.log")"
