@@ -58,7 +58,7 @@ class _Batch:
 class Engine:
     def __init__(self, model_cfg: ModelConfig, mode: Mode, device: torch.device, cfg: EngineConfig) -> None:
         self.cfg, self.model_cfg, self.mode, self.device = cfg, model_cfg, mode, device
-        self.pool = PinnedRingBuffer(PoolSettings(device=device, num_slots=8, slot_bytes=1 << 20))
+        self.pool = PinnedRingBuffer(PoolSettings.from_env(device=device, num_slots=8, slot_bytes=1 << 20))
         self.uploader = Uploader(mode, device, self.pool)
         self.reader = TokenReader(mode, self.pool)
         cycles = int(cfg.gpu_work_us * cfg.sleep_cycles_per_us)

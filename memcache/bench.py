@@ -136,7 +136,7 @@ def _kernel_table(ctx: BenchContext, pool: PinnedRingBuffer) -> Table:
 
 
 def workload(ctx: BenchContext) -> list[Table]:
-    pool = PinnedRingBuffer(PoolSettings(device=ctx.device, num_slots=8, slot_bytes=1 << 20))
+    pool = PinnedRingBuffer(PoolSettings.from_env(device=ctx.device, num_slots=8, slot_bytes=1 << 20))
     tables = []
     if ctx.is_cuda:
         tables.append(_kernel_table(ctx, pool))

@@ -15,6 +15,7 @@ from pinpool.exceptions import (
     StagingValueError,
     StaleLeaseError,
     ThreadOwnershipError,
+    TransportError,
 )
 from pinpool.readback import Readback
 from pinpool.ring import PinnedRingBuffer
@@ -41,6 +42,7 @@ __all__ = [
     "StagingValueError",
     "StaleLeaseError",
     "ThreadOwnershipError",
+    "TransportError",
     "is_pin_memory_available",
     "no_sync",
 ]

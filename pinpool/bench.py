@@ -78,7 +78,7 @@ def make_step(mode: str, bs: int, device: torch.device, pool: PinnedRingBuffer |
 
 
 def workload(ctx: BenchContext) -> list[Table]:
-    pool = PinnedRingBuffer(PoolSettings(device=ctx.device, num_slots=8, slot_bytes=1 << 20))
+    pool = PinnedRingBuffer(PoolSettings.from_env(device=ctx.device, num_slots=8, slot_bytes=1 << 20))
     modes = [m for m in MODES if m in ctx.modes and (ctx.is_cuda or m != "pinned")]
     rows = []
     for bs in ctx.batch_sizes:

@@ -54,3 +54,7 @@ class AllocationError(PinpoolError, RuntimeError):
 
 class ValidationError(PinpoolError, ValueError):
     """Inputs of a batch operation are inconsistent or out of bounds."""
+
+
+class TransportError(PinpoolError, RuntimeError):
+    """A CUDA runtime call the pool made directly failed (the message names the call and the error)."""

@@ -36,7 +36,11 @@ class PinnedRingBuffer:
 
     def __init__(self, settings: PoolSettings | None = None, *, transport: Transport | None = None) -> None:
         self.settings = settings if settings is not None else PoolSettings()
-        self._transport = transport if transport is not None else transport_for(self.settings.device)
+        self._transport = (
+            transport
+            if transport is not None
+            else transport_for(self.settings.device, direct=self.settings.cudart_direct)
+        )
         if self._transport.device != self.settings.device:
             raise DeviceMismatchError(
                 f"'transport' must serve the settings' device {self.settings.device} (got {self._transport.device})"
@@ -79,6 +83,7 @@ class PinnedRingBuffer:
             slot_bytes=slot_bytes,
             total_bytes=self.settings.total_bytes,
             pinned=self._transport.pinned,
+            path=self._transport.path,
         )
 
     # -- public API --------------------------------------------------------------------

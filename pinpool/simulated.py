@@ -42,6 +42,7 @@ class LaggingGpu:
     """A ``Transport`` whose device is host memory and whose queue runs up to ``max_lag`` ops late."""
 
     pinned = True
+    path = "simulated"
 
     def __init__(self, max_lag: int = 8, seed: int = 0) -> None:
         self.device = torch.device("cpu")
@@ -67,14 +68,14 @@ class LaggingGpu:
     def check_stream(self, stream: Any) -> None:
         return None
 
-    def copy(self, dst_device: torch.Tensor, src_host: torch.Tensor, stream: Any) -> None:
-        snapshot = src_host.clone()
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        snapshot = src.clone()
         index = self.enqueued
 
         def run() -> None:
-            if not torch.equal(src_host, snapshot):
-                self.races.append(f"copy #{index}: host source rewritten while the copy was pending")
-            dst_device.copy_(src_host)
+            if not torch.equal(src, snapshot):
+                self.races.append(f"copy #{index}: source rewritten while the copy was pending")
+            dst.copy_(src)
 
         self._push(run)
 

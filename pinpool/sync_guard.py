@@ -40,6 +40,12 @@ def check_copy(src: torch.Tensor, dst_device: torch.device, non_blocking: bool, 
         raise HostSyncError("device-to-host copy into pageable memory or without non_blocking=True blocks the host")
 
 
+def refuse_explicit_sync(what: str) -> None:
+    """Raise ``HostSyncError`` inside ``no_sync()``: for waits that bypass torch (the pool's direct fences)."""
+    if _depth:
+        raise HostSyncError(f"{what} inside no_sync()")
+
+
 def _explicit_sync(what: str) -> Callable[..., Any]:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise HostSyncError(f"{what} inside no_sync()")

@@ -102,7 +102,7 @@ def draw_table(ctx: BenchContext) -> Table:
     from triton.testing import do_bench
 
     rows = []
-    pool = PinnedRingBuffer(PoolSettings(device=ctx.device, num_slots=4, slot_bytes=1 << 20))
+    pool = PinnedRingBuffer(PoolSettings.from_env(device=ctx.device, num_slots=4, slot_bytes=1 << 20))
     for bs in (1, 64, 256):
         ctx.progress(f"sampler draw bs={bs}")
         info = SamplingBatchInfo.from_schedule_batch(
@@ -127,7 +127,7 @@ def draw_table(ctx: BenchContext) -> Table:
 
 
 def workload(ctx: BenchContext) -> list[Table]:
-    pool = PinnedRingBuffer(PoolSettings(device=ctx.device, num_slots=8, slot_bytes=1 << 20))
+    pool = PinnedRingBuffer(PoolSettings.from_env(device=ctx.device, num_slots=8, slot_bytes=1 << 20))
     pin = ctx.is_cuda
     rows = []
     for bs in ctx.batch_sizes:

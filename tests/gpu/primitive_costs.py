@@ -101,8 +101,11 @@ def main() -> None:
         if prev:
             prev.pop()()
 
+    torch_pool = PinnedRingBuffer(PoolSettings(device=dev, num_slots=8, slot_bytes=1 << 20, cudart_direct=False))
+    use = [pool]
+
     def pool_step() -> None:
-        st = pool.stage()
+        st = use[0].stage()
         st.put(rows, torch.int64)
         st.put(pos, torch.int64)
         st.flush()
@@ -153,11 +156,24 @@ def main() -> None:
         prev.append(read)
 
     print(f"\n{'whole step (64 rows)':24s} {'loop':>11s} {'tight':>12s}")
-    for name, op in (("pinned (per call)", pinned_step), ("pool (library now)", pool_step), ("raw cudart", raw_step)):
+
+    def pool_torch_step() -> None:
+        use[0] = torch_pool
+        pool_step()
+        use[0] = pool
+
+    steps = [
+        ("pinned (per call)", pinned_step),
+        (f"pool ({pool._transport.path})", pool_step),
+        ("pool (torch)", pool_torch_step),
+        ("raw cudart by hand", raw_step),
+    ]
+    for name, op in steps:
         cells = (timed(op, burst), timed(op, None))
         prev.clear()
         print(f"{name:24s} {cells[0]:11.2f} {cells[1]:12.2f}")
     pool.close()
+    torch_pool.close()
 
 
 if __name__ == "__main__":
