@@ -50,7 +50,7 @@ def load() -> Cudart | None:
     if path is None:
         return None
     try:
-        return Cudart(ctypes.CDLL(path))
+        return Cudart(ctypes.PyDLL(path), blocking=ctypes.CDLL(path))
     except (OSError, AttributeError):
         return None
 
@@ -58,18 +58,20 @@ def load() -> Cudart | None:
 class Cudart:
     """Typed wrappers over the few runtime entry points the ring needs; errors raise ``TransportError``.
 
-    ``ctypes.CDLL`` releases the GIL around each call, so a blocking ``event_synchronize``
-    does not stall the process's other threads.
+    ``lib`` serves the calls that return at once (queue a copy, record or query an
+    event): opened as ``ctypes.PyDLL`` it keeps the GIL, which is cheaper than handing it
+    off and taking it back. ``blocking`` (a ``ctypes.CDLL``, default ``lib``) serves the
+    one call that may wait, ``event_synchronize``, and releases the GIL meanwhile.
     """
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, *, blocking: ctypes.CDLL | None = None) -> None:
         vp = ctypes.c_void_p
         self._memcpy = _bind(lib.cudaMemcpyAsync, [vp, vp, ctypes.c_size_t, ctypes.c_int, vp])
         self._create = _bind(lib.cudaEventCreateWithFlags, [ctypes.POINTER(vp), ctypes.c_uint])
         self._destroy = _bind(lib.cudaEventDestroy, [vp])
         self._record = _bind(lib.cudaEventRecord, [vp, vp])
         self._query = _bind(lib.cudaEventQuery, [vp])
-        self._synchronize = _bind(lib.cudaEventSynchronize, [vp])
+        self._synchronize = _bind((blocking if blocking is not None else lib).cudaEventSynchronize, [vp])
         self._wait = _bind(lib.cudaStreamWaitEvent, [vp, vp, ctypes.c_uint])
         self._error_name = lib.cudaGetErrorName
         self._error_name.argtypes, self._error_name.restype = [ctypes.c_int], ctypes.c_char_p

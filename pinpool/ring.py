@@ -71,6 +71,7 @@ class PinnedRingBuffer:
         self._slot_generation = [0] * num_slots
         self._consumers: list[tuple[Stream, list[Fence]]] = []
         self._next_slot = 0
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._generation = 0
         self._open: Stage | None = None
         self._closed = False
@@ -104,12 +105,13 @@ class PinnedRingBuffer:
         ``owned_bytes`` / ``owned``: copy into consumer-owned device memory instead of the
         ring mirror (design invariant 5), for data that outlives ``num_slots`` stages.
         """
-        self._check_usable()
+        if self._open is not None or self._closed or self.settings.debug:
+            self._check_usable()  # raises, or (debug) checks the calling thread
         if stream is not None:
             self._transport.check_stream(stream)
-        owned_device = self._owned_buffer(owned_bytes, owned)
+        owned_device = None if owned_bytes is None and owned is None else self._owned_buffer(owned_bytes, owned)
         slot = self._claim_slot()
-        if owned_device is None:
+        if owned_device is None and (self._consumers or self.settings.debug):
             self._guard_device_region(slot, stream)
         st = Stage(self, slot, self._generation, stream, owned_device)
         self._open = st
@@ -253,11 +255,14 @@ class PinnedRingBuffer:
         """Bytes of ``src`` once it is known to be a readable device tensor that fits at ``offset``."""
         if not isinstance(src, torch.Tensor):
             raise PoolStateError(f"'src' must be a torch.Tensor (got {type(src).__name__})")
-        if src.device != self.device:
+        # get_device() is an int and cheap; it cannot tell CPU from meta, so only a CUDA
+        # pool trusts it alone.
+        index = src.get_device()
+        if index != self._device_index or (index < 0 and src.device != self.device):
             raise DeviceMismatchError(f"'src' must be on the pool's device {self.device} (got {src.device})")
         if src.dtype not in NUMPY_DTYPE or not src.is_contiguous():
             raise PoolStateError(f"'src' must be contiguous with a numpy dtype (got {src.dtype})")
-        nbytes = src.numel() * src.element_size()
+        nbytes: int = src.nbytes
         if offset + nbytes > self.settings.slot_bytes:
             raise CapacityError(
                 f"'src' needs {nbytes} bytes but the slot has {self.settings.slot_bytes - offset} of "

@@ -116,23 +116,47 @@ class _CudaFence(torch.cuda.Event):
 
 
 class _DirectFence:
-    """A CUDA event owned by the pool and driven through ``pinpool.cudart`` (no torch on the path)."""
+    """A CUDA event owned by the pool and driven through ``pinpool.cudart`` (no torch on the path).
 
-    __slots__ = ("_rt", "_transport", "handle")
+    Each record takes the transport's next sequence number. Work on one stream completes
+    in order, so once a fence is seen passed, every fence recorded earlier on the same
+    stream has passed too: ``query`` answers those from the transport's per-stream
+    watermark without a CUDA call. In a decode loop, reading step N's tokens thus also
+    clears the slot the next stage claims.
+    """
+
+    __slots__ = ("_rt", "_seq", "_stream", "_transport", "handle")
 
     def __init__(self, rt: cudart.Cudart, transport: CudaTransport) -> None:
         self._rt = rt
         self._transport = transport
         self.handle = rt.event_create()
+        self._seq = 0  # never recorded: reads as passed, as cudaEventQuery would say
+        self._stream = 0
 
     def record(self, stream: Stream | None) -> None:
-        self._rt.event_record(self.handle, self._transport.raw_stream(stream))
+        transport = self._transport
+        raw = transport.raw_stream(stream)
+        self._rt.event_record(self.handle, raw)
+        transport.records += 1
+        self._seq, self._stream = transport.records, raw
 
     def query(self) -> bool:
-        return self._rt.event_query(self.handle)
+        passed = self._transport.passed
+        if self._seq <= passed.get(self._stream, 0):
+            return True
+        if not self._rt.event_query(self.handle):
+            return False
+        passed[self._stream] = self._seq  # above the old watermark (checked just above)
+        return True
 
     def synchronize(self) -> None:
+        if self._seq <= self._transport.passed.get(self._stream, 0):
+            return
         self._rt.event_synchronize(self.handle)  # sync-ok: refused inside no_sync(); callers query first
+        passed = self._transport.passed
+        if self._seq > passed.get(self._stream, 0):
+            passed[self._stream] = self._seq
 
     def __del__(self) -> None:
         try:
@@ -161,6 +185,8 @@ class CudaTransport:
         # tested) on a machine without one.
         self._rt = cudart.load() if direct and torch.cuda.is_available() else None
         self.path = "cudart" if self._rt is not None else "torch"
+        self.records = 0  # direct fence records so far: their sequence numbers
+        self.passed: dict[int, int] = {}  # cudaStream_t -> highest sequence number seen passed on it
 
     def current_stream(self) -> torch.cuda.Stream:
         """The device's current stream, as ``torch.cuda.current_stream`` but without its Python overhead."""
@@ -213,7 +239,7 @@ class CudaTransport:
         """
         rt = self._rt
         if rt is not None:
-            kind = cudart.DEVICE_TO_HOST if dst.device.type == "cpu" else cudart.HOST_TO_DEVICE
+            kind = cudart.HOST_TO_DEVICE if dst.is_cuda else cudart.DEVICE_TO_HOST
             rt.memcpy_async(dst.data_ptr(), src.data_ptr(), src.nbytes, kind, self.raw_stream(stream))
             return
         if stream is None:

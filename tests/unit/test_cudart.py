@@ -25,6 +25,7 @@ class FakeLib:
 
     def __init__(self, rc: int) -> None:
         self.rc = rc
+        self.query_rc: int | None = None  # what cudaEventQuery returns, when set (else rc)
         self.calls: list[str] = []
         for name in (
             "cudaMemcpyAsync",
@@ -44,6 +45,8 @@ class FakeLib:
             self.calls.append(name)
             if name == "cudaEventCreateWithFlags":
                 ctypes.cast(args[0], ctypes.POINTER(ctypes.c_void_p))[0] = 0x1234
+            if name == "cudaEventQuery" and self.query_rc is not None:
+                return self.query_rc
             return self.rc
 
         return call
@@ -115,3 +118,33 @@ def test_transport_without_a_gpu_goes_through_torch() -> None:
         pytest.skip("this check is about machines without a GPU; tests/gpu covers the direct path")
     assert CudaTransport(torch.device("cuda", 0)).path == "torch"
     assert PinnedRingBuffer(PoolSettings(device="cpu"))._transport.path == "host"
+
+
+class _Stream:
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream = handle
+
+
+def test_fence_watermark_skips_queries_only_for_earlier_fences_on_the_same_stream() -> None:
+    """Catches a fence answered as passed from another stream's progress, or from its own stale record."""
+    from pinpool.transport import _DirectFence
+
+    rt, lib = runtime(0)
+    lib.query_rc = NOT_READY
+    transport = CudaTransport(torch.device("cuda", 0))  # no GPU touched: streams are given explicitly
+    a, b, c = (_DirectFence(rt, transport) for _ in range(3))
+    assert a.query() and lib.calls.count("cudaEventQuery") == 0  # never recorded: passed, no call
+    a.record(_Stream(5))
+    b.record(_Stream(5))
+    c.record(_Stream(7))
+    assert not a.query()
+    lib.query_rc = 0
+    assert b.query()
+    queries = lib.calls.count("cudaEventQuery")
+    assert a.query()  # recorded before b on the same stream: answered without a call
+    a.synchronize()
+    assert lib.calls.count("cudaEventQuery") == queries and "cudaEventSynchronize" not in lib.calls
+    lib.query_rc = NOT_READY
+    assert not c.query()  # another stream: b's progress says nothing about it
+    a.record(_Stream(5))  # re-recorded after b: the watermark no longer covers it
+    assert not a.query()

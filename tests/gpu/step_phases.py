@@ -1,0 +1,109 @@
+"""Host µs of each call a decode step's staging makes, timed inside the running loop (diagnostic).
+
+python3 tests/gpu/step_phases.py
+
+The engine's decode step is re-run with a clock read between the calls of its pool and
+pinned staging paths, so each call's cost is seen where it runs: after the model's and
+sampler's launches. Clock reads add ~0.1 µs per phase.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import structlog
+import torch
+
+from engine.bench import _engine, _requests
+from engine.loop import Engine
+from engine.readback import Pending
+
+DEV = torch.device("cuda", 0)
+
+
+def instrument(engine: Engine, phases: dict[str, list[float]]) -> None:
+    clock = time.perf_counter
+
+    def decode() -> Pending:
+        reqs, bs = engine.running, len(engine.running)
+        out_cache_loc = engine.kv.alloc(bs)
+        rows, positions = [r.row for r in reqs], [r.seq_len for r in reqs]
+        t = [clock()]
+        if engine.mode == "pool":
+            st = engine.pool.stage()
+            t.append(clock())
+            rows_d = st.put(rows, torch.int64)
+            t.append(clock())
+            positions_d = st.put(positions, torch.int64)
+            t.append(clock())
+            st.flush()
+            t.append(clock())
+            names = ["stage()", "put rows", "put positions", "flush"]
+        else:
+            rows_d = torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(DEV, non_blocking=True)
+            t.append(clock())
+            positions_d = torch.tensor(positions, dtype=torch.int64, pin_memory=True).to(DEV, non_blocking=True)
+            t.append(clock())
+            names = ["rows up", "positions up"]
+        engine._launch_decode(reqs, bs, rows_d, positions_d, out_cache_loc)
+        assert engine.last_tokens is not None
+        t.append(clock())
+        if engine.mode == "pool":
+            handle = st.readback(engine.last_tokens)
+            t.append(clock())
+            st.close()
+            t.append(clock())
+            pending = engine.reader.wrap(handle)
+            t.append(clock())
+            names += ["(model)", "readback", "close", "wrap"]
+        else:
+            host = torch.empty(bs, dtype=torch.int64, pin_memory=True)
+            t.append(clock())
+            host.copy_(engine.last_tokens, non_blocking=True)
+            t.append(clock())
+            event: Any = torch.cuda.Event()
+            t.append(clock())
+            event.record()
+            t.append(clock())
+            names += ["(model)", "empty pinned", "copy back", "Event()", "record"]
+
+            def pending() -> list[int]:
+                if not event.query():
+                    event.synchronize()
+                values: list[int] = host.tolist()
+                return values
+
+        for name, a, b in zip(names, t, t[1:], strict=True):
+            phases[name].append(b - a)
+        return pending
+
+    engine._decode = decode  # type: ignore[method-assign]
+
+
+def run(mode: str, running: int, steps: int = 48) -> dict[str, float]:
+    phases: dict[str, list[float]] = defaultdict(list)
+    engine = _engine(mode, DEV, running, 0.0, 0.0)  # type: ignore[arg-type]
+    instrument(engine, phases)
+    engine.submit(_requests(running, steps, seed=1))
+    while engine.busy:
+        engine.step()
+    torch.cuda.synchronize()
+    return {k: statistics.median(v[4:]) * 1e6 for k, v in phases.items()}
+
+
+def main() -> None:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    for running in (64, 256):
+        for mode in ("pinned", "pool", "pinned", "pool"):
+            r = run(mode, running)
+            staged = sum(v for k, v in r.items() if k != "(model)")
+            cells = "  ".join(f"{k} {v:.1f}" for k, v in r.items() if k != "(model)")
+            print(f"{running:4d} {mode:7s} staged {staged:6.1f} µs = {cells}")
+
+
+if __name__ == "__main__":
+    main()
