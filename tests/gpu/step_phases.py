@@ -57,9 +57,16 @@ def instrument(engine: Engine, phases: dict[str, list[float]]) -> None:
             t.append(clock())
             st.close()
             t.append(clock())
-            pending = engine.reader.wrap(handle)
-            t.append(clock())
-            names += ["(model)", "readback", "close", "wrap"]
+            names += ["(model)", "readback", "close"]
+
+            def pending() -> list[int]:
+                start = clock()
+                handle.ready()
+                mid = clock()
+                values: list[int] = handle.tolist()
+                phases["read: query"].append(mid - start)
+                phases["read: tolist"].append(clock() - mid)
+                return values
         else:
             host = torch.empty(bs, dtype=torch.int64, pin_memory=True)
             t.append(clock())
@@ -72,12 +79,16 @@ def instrument(engine: Engine, phases: dict[str, list[float]]) -> None:
             names += ["(model)", "empty pinned", "copy back", "Event()", "record"]
 
             def pending() -> list[int]:
+                start = clock()
                 if not event.query():
                     event.synchronize()
+                mid = clock()
                 values: list[int] = host.tolist()
+                phases["read: query"].append(mid - start)
+                phases["read: tolist"].append(clock() - mid)
                 return values
 
-        for name, a, b in zip(names, t, t[1:], strict=True):
+        for name, a, b in zip(names, t[:-1], t[1:], strict=True):
             phases[name].append(b - a)
         return pending
 
