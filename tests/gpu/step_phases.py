@@ -72,7 +72,7 @@ def instrument(engine: Engine, phases: dict[str, list[float]]) -> None:
             t.append(clock())
             host.copy_(engine.last_tokens, non_blocking=True)
             t.append(clock())
-            event: Any = torch.cuda.Event()
+            event: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
             t.append(clock())
             event.record()
             t.append(clock())
