@@ -66,11 +66,14 @@ class Cudart:
 
     def __init__(self, lib: ctypes.CDLL, *, blocking: ctypes.CDLL | None = None) -> None:
         vp = ctypes.c_void_p
-        self._memcpy = _bind(lib.cudaMemcpyAsync, [vp, vp, ctypes.c_size_t, ctypes.c_int, vp])
+        # The raw entry points (return code out, nothing checked) are public for the
+        # transport's hot path, which checks the code inline: every Python frame between
+        # the ring and the runtime costs host time (tests/gpu/step_phases.py).
+        self.memcpy_raw = _bind(lib.cudaMemcpyAsync, [vp, vp, ctypes.c_size_t, ctypes.c_int, vp])
         self._create = _bind(lib.cudaEventCreateWithFlags, [ctypes.POINTER(vp), ctypes.c_uint])
         self._destroy = _bind(lib.cudaEventDestroy, [vp])
-        self._record = _bind(lib.cudaEventRecord, [vp, vp])
-        self._query = _bind(lib.cudaEventQuery, [vp])
+        self.record_raw = _bind(lib.cudaEventRecord, [vp, vp])
+        self.query_raw = _bind(lib.cudaEventQuery, [vp])
         self._synchronize = _bind((blocking if blocking is not None else lib).cudaEventSynchronize, [vp])
         self._wait = _bind(lib.cudaStreamWaitEvent, [vp, vp, ctypes.c_uint])
         self._error_name = lib.cudaGetErrorName
@@ -79,15 +82,15 @@ class Cudart:
         self._error_string.argtypes, self._error_string.restype = [ctypes.c_int], ctypes.c_char_p
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
-        rc = self._memcpy(dst, src, nbytes, kind, stream)
+        rc = self.memcpy_raw(dst, src, nbytes, kind, stream)
         if rc:
-            self._fail(rc, "cudaMemcpyAsync")
+            self.fail(rc, "cudaMemcpyAsync")
 
     def event_create(self) -> int:
         handle = ctypes.c_void_p()
         rc = self._create(ctypes.byref(handle), _DISABLE_TIMING)
         if rc or handle.value is None:
-            self._fail(rc, "cudaEventCreateWithFlags")
+            self.fail(rc, "cudaEventCreateWithFlags")
         assert handle.value is not None
         return handle.value
 
@@ -96,30 +99,31 @@ class Cudart:
         self._destroy(event)
 
     def event_record(self, event: int, stream: int) -> None:
-        rc = self._record(event, stream)
+        rc = self.record_raw(event, stream)
         if rc:
-            self._fail(rc, "cudaEventRecord")
+            self.fail(rc, "cudaEventRecord")
 
     def event_query(self, event: int) -> bool:
-        rc = self._query(event)
+        rc = self.query_raw(event)
         if rc == SUCCESS:
             return True
         if rc != NOT_READY:
-            self._fail(rc, "cudaEventQuery")
+            self.fail(rc, "cudaEventQuery")
         return False
 
     def event_synchronize(self, event: int) -> None:
         refuse_explicit_sync("a pool fence's synchronize()")
         rc = self._synchronize(event)  # sync-ok: callers wait only on a fence they queried as pending
         if rc:
-            self._fail(rc, "cudaEventSynchronize")
+            self.fail(rc, "cudaEventSynchronize")
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         rc = self._wait(stream, event, 0)
         if rc:
-            self._fail(rc, "cudaStreamWaitEvent")
+            self.fail(rc, "cudaStreamWaitEvent")
 
-    def _fail(self, rc: int, call: str) -> None:
+    def fail(self, rc: int, call: str) -> None:
+        """Raise ``TransportError`` for return code ``rc`` of ``call``."""
         name = (self._error_name(rc) or b"?").decode()
         text = (self._error_string(rc) or b"?").decode()
         raise TransportError(f"{call} failed with {name} ({rc}): {text}")

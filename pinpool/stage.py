@@ -171,10 +171,10 @@ class Stage:
 
     def flush(self) -> None:
         """Issue the stage's one copy now, leaving the stage open for kernel launches."""
-        self._check_open()
-        if not self.flushed:
-            self._pool._copy(self)
-            self.flushed = True
+        if not self._open or self.flushed:
+            self._check_open()  # raises
+        self._pool._copy(self)
+        self.flushed = True
 
     def readback(self, src: torch.Tensor) -> Readback:
         """Copy the device tensor ``src`` back into this stage's slot, under the slot's fence.

@@ -7,6 +7,7 @@ host memory (design invariant 7), and on ``pinpool.simulated.LaggingGpu`` in tes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -115,6 +116,14 @@ class _CudaFence(torch.cuda.Event):
         torch._C._CudaEventBase.record(self, self._transport.current_stream() if stream is None else stream)
 
 
+def _no_cuda_stream(index: int) -> int:
+    raise DeviceMismatchError(f"this torch build has no CUDA: there is no current stream on cuda:{index}")
+
+
+# The current cudaStream_t of a device, one C call (the hot path's way to find the stream).
+_current_raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", _no_cuda_stream)
+
+
 class _DirectFence:
     """A CUDA event owned by the pool and driven through ``pinpool.cudart`` (no torch on the path).
 
@@ -125,38 +134,44 @@ class _DirectFence:
     clears the slot the next stage claims.
     """
 
-    __slots__ = ("_rt", "_seq", "_stream", "_transport", "handle")
+    __slots__ = ("_passed", "_rt", "_seq", "_stream", "_transport", "handle")
 
     def __init__(self, rt: cudart.Cudart, transport: CudaTransport) -> None:
         self._rt = rt
         self._transport = transport
+        self._passed = transport.passed
         self.handle = rt.event_create()
         self._seq = 0  # never recorded: reads as passed, as cudaEventQuery would say
         self._stream = 0
 
     def record(self, stream: Stream | None) -> None:
         transport = self._transport
-        raw = transport.raw_stream(stream)
-        self._rt.event_record(self.handle, raw)
+        raw = _current_raw_stream(transport.index) if stream is None else stream.cuda_stream
+        rc = self._rt.record_raw(self.handle, raw)
+        if rc:
+            self._rt.fail(rc, "cudaEventRecord")
         transport.records += 1
         self._seq, self._stream = transport.records, raw
 
     def query(self) -> bool:
-        passed = self._transport.passed
-        if self._seq <= passed.get(self._stream, 0):
+        seq, passed = self._seq, self._passed
+        if seq <= passed.get(self._stream, 0):
             return True
-        if not self._rt.event_query(self.handle):
-            return False
-        passed[self._stream] = self._seq  # above the old watermark (checked just above)
-        return True
+        rc = self._rt.query_raw(self.handle)
+        if rc == cudart.SUCCESS:
+            passed[self._stream] = seq  # above the old watermark (checked just above)
+            return True
+        if rc != cudart.NOT_READY:
+            self._rt.fail(rc, "cudaEventQuery")
+        return False
 
     def synchronize(self) -> None:
-        if self._seq <= self._transport.passed.get(self._stream, 0):
+        seq, passed = self._seq, self._passed
+        if seq <= passed.get(self._stream, 0):
             return
         self._rt.event_synchronize(self.handle)  # sync-ok: refused inside no_sync(); callers query first
-        passed = self._transport.passed
-        if self._seq > passed.get(self._stream, 0):
-            passed[self._stream] = self._seq
+        if seq > passed.get(self._stream, 0):
+            passed[self._stream] = seq
 
     def __del__(self) -> None:
         try:
@@ -179,7 +194,7 @@ class CudaTransport:
         if device.type != "cuda":
             raise DeviceMismatchError(f"'device' must be a CUDA device for CudaTransport (got {device})")
         self.device = device
-        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self.index: int = device.index if device.index is not None else torch.cuda.current_device()
         self._current: torch.cuda.Stream | None = None
         # Resolved only with a GPU present, so a transport can be built (and its checks
         # tested) on a machine without one.
@@ -190,7 +205,7 @@ class CudaTransport:
 
     def current_stream(self) -> torch.cuda.Stream:
         """The device's current stream, as ``torch.cuda.current_stream`` but without its Python overhead."""
-        stream_id, index, device_type = torch._C._cuda_getCurrentStream(self._index)
+        stream_id, index, device_type = torch._C._cuda_getCurrentStream(self.index)
         cached = self._current
         if cached is None or cached.stream_id != stream_id:
             cached = self._current = torch.cuda.Stream(  # type: ignore[no-untyped-call]
@@ -201,7 +216,7 @@ class CudaTransport:
     def raw_stream(self, stream: Stream | None) -> int:
         """The ``cudaStream_t`` of ``stream``, or of the device's current stream for None."""
         if stream is None:
-            return int(torch._C._cuda_getCurrentRawStream(self._index))
+            return int(_current_raw_stream(self.index))
         return int(stream.cuda_stream)
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
@@ -240,7 +255,10 @@ class CudaTransport:
         rt = self._rt
         if rt is not None:
             kind = cudart.HOST_TO_DEVICE if dst.is_cuda else cudart.DEVICE_TO_HOST
-            rt.memcpy_async(dst.data_ptr(), src.data_ptr(), src.nbytes, kind, self.raw_stream(stream))
+            raw = _current_raw_stream(self.index) if stream is None else stream.cuda_stream
+            rc = rt.memcpy_raw(dst.data_ptr(), src.data_ptr(), src.nbytes, kind, raw)
+            if rc:
+                rt.fail(rc, "cudaMemcpyAsync")
             return
         if stream is None:
             dst.copy_(src, non_blocking=True)
