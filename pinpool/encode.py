@@ -9,6 +9,7 @@ not become a silently wrong sampling parameter.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -106,6 +107,36 @@ def write(dst: np.ndarray[Any, Any] | torch.Tensor, src: Any, target: torch.dtyp
     write_list(dst, src, target, name)
 
 
+_STRUCT_CODE = {torch.int64: "q", torch.int32: "i"}
+_structs: dict[tuple[str, int], struct.Struct] = {}
+
+
+def pack_int_list(buffer: memoryview, offset: int, values: list[Any], target: torch.dtype) -> bool:
+    """Write a list of ints as int32 / int64 at ``buffer[offset:]``; False when not written exactly.
+
+    ``struct`` checks each element itself (ints and ``__index__`` types only, in range),
+    so exactness needs no second pass. Inside a decode loop it costs about half of
+    numpy's list parsing plus the ``sum`` witness in ``write_list`` (measured with
+    tests/gpu/step_phases.py on an H200 host). On False, possibly after writing part of
+    the range (still beyond the stage's committed bytes), the caller goes through
+    ``write_list``, which raises the typed error or writes what struct would not take.
+    """
+    code = _STRUCT_CODE.get(target)
+    if code is None:
+        return False
+    key = (code, len(values))
+    packer = _structs.get(key)
+    if packer is None:
+        if len(_structs) >= 256:
+            _structs.clear()
+        packer = _structs[key] = struct.Struct(f"={key[1]}{code}")
+    try:
+        packer.pack_into(buffer, offset, *values)
+    except (struct.error, TypeError, OverflowError):
+        return False
+    return True
+
+
 def write_list(dst: np.ndarray[Any, Any], src: Any, target: torch.dtype, name: str) -> None:
     """Write a flat Python sequence, parsed by numpy in C straight into the slot."""
     kind = dst.dtype.kind
@@ -129,6 +160,12 @@ def write_list(dst: np.ndarray[Any, Any], src: Any, target: torch.dtype, name: s
             exact = False
         if exact:
             return
+        # An int too big for numpy's int64 makes it parse the whole list as float64,
+        # where 2**63 and 2**63 - 1 compare equal: check Python ints exactly, here.
+        lo, hi = _INT_RANGE[dst.dtype]
+        for value in src:
+            if isinstance(value, int) and not lo <= value <= hi:
+                raise StagingValueError(f"'{name}' must fit {dst.dtype} [{lo}, {hi}] (got {value})")
     # Bools and every rejected case: parse, then check what the cast would change.
     _write_array(dst, _from_python(src, target, name), name)
 
@@ -153,8 +190,11 @@ def _write_array(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], name: str
                 raise StagingValueError(f"'{name}' must hold whole numbers for {want} (got {bad})")
         if kind != "b" and flat.size and not np.can_cast(flat.dtype, want):
             lo, hi = _INT_RANGE[want]
-            if flat.min() < lo or flat.max() > hi:
-                bad = flat[(flat < lo) | (flat > hi)][0]
+            # Floats compare against hi + 1 (a power of two, exact in float64): float64
+            # rounds hi itself up to it, so "> hi" would let 2**63 through into int64.
+            outside = (flat < lo) | ((flat >= hi + 1) if kind == "f" else (flat > hi))
+            if outside.any():
+                bad = flat[outside][0]
                 raise StagingValueError(f"'{name}' must fit {want} [{lo}, {hi}] (got {bad})")
     elif want.kind == "b":
         if kind != "b" and not ((flat == 0) | (flat == 1)).all():

@@ -52,6 +52,7 @@ class PinnedRingBuffer:
         self._device_slots = [self.device_mirror[i * slot_bytes : (i + 1) * slot_bytes] for i in range(num_slots)]
         # Typed views per slot and dtype, built once, so a put is one slice per side.
         host_np = self.host_slab.numpy()
+        self._host_bytes = host_np.data  # the whole slab as a writable memoryview, for struct packing
         self._host_views: list[dict[torch.dtype, Any]] = []
         self._device_views: list[dict[torch.dtype, torch.Tensor]] = []
         for i in range(num_slots):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pinpool.encode import NUMPY_DTYPE, as_source, check_dtype, write, write_list
+from pinpool.encode import NUMPY_DTYPE, as_source, check_dtype, pack_int_list, write, write_list
 from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
 from pinpool.overflow import spill
 from pinpool.settings import OverflowPolicy
@@ -41,6 +41,8 @@ class Stage:
         "_cursor",
         "_device_views",
         "_end",
+        "_host_base",
+        "_host_bytes",
         "_host_views",
         "_open",
         "_owned_device",
@@ -67,6 +69,8 @@ class Stage:
         self.generation = generation
         self.stream = stream
         self._host_views = pool._host_views[slot]
+        self._host_bytes = pool._host_bytes
+        self._host_base = slot * pool.settings.slot_bytes
         self._owned_device = owned_device
         if owned_device is None:
             self._device_views = pool._device_views[slot]
@@ -123,7 +127,8 @@ class Stage:
             end = start + numel * itemsize
             if end <= self._capacity:
                 first = start // itemsize
-                write_list(self._host_views[dtype][first : first + numel], values, dtype, name)
+                if not pack_int_list(self._host_bytes, self._host_base + start, values, dtype):
+                    write_list(self._host_views[dtype][first : first + numel], values, dtype, name)
                 device = self._device_view(dtype, first, numel)
                 self._end = end
                 align = self._align

@@ -1,0 +1,72 @@
+"""The struct fast path for int lists: exact values, and every refusal falls back to the typed checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pinpool import PinnedRingBuffer, PoolSettings, StagingValueError
+
+
+def pool() -> PinnedRingBuffer:
+    return PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=1 << 12))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "values"),
+    [
+        (torch.int64, [0, -1, 2**63 - 1, -(2**63), 7]),
+        (torch.int32, [0, -1, 2**31 - 1, -(2**31), 7]),
+        (torch.int64, [True, False, np.int64(5), np.int32(-3)]),
+        (torch.int32, []),
+    ],
+)
+def test_int_lists_land_exactly(dtype: torch.dtype, values: list[object]) -> None:
+    """Catches a packing code, byte order or offset that shifts or truncates values."""
+    p = pool()
+    with p.stage() as st:
+        st.put([1.5, 2.5], torch.float32)  # an unaligned start for the next field
+        got = st.put(values, dtype)
+    assert got.tolist() == [int(v) for v in values]  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "values", "fragment"),
+    [
+        (torch.int64, [1, 2.5, 3], "'rows'"),
+        (torch.int32, [1, 2**31], "'rows'"),
+        (torch.int64, [1, 2**63], "'rows'"),
+        (torch.int64, [1, float("nan")], "'rows'"),
+    ],
+)
+def test_refused_lists_raise_typed_errors_and_leave_the_stage_usable(
+    dtype: torch.dtype, values: list[object], fragment: str
+) -> None:
+    """Catches a value struct refuses being written anyway, or a stage left half-advanced."""
+    p = pool()
+    with p.stage() as st:
+        first = st.put([10, 20], dtype)
+        used = st.used_bytes
+        with pytest.raises(StagingValueError, match=fragment):
+            st.put(values, dtype, name="rows")
+        assert st.used_bytes == used
+        after = st.put([30, 40, 50], dtype)
+    assert first.tolist() == [10, 20]
+    assert after.tolist() == [30, 40, 50]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "values"),
+    [
+        (torch.int64, np.array([1.0, 2.0**63])),
+        (torch.int32, np.array([1.0, 2.0**31])),
+        (torch.uint8, np.array([1.0, 256.0])),
+        (torch.int64, np.array([1, 2**63], dtype=np.uint64)),
+    ],
+)
+def test_arrays_just_past_the_integer_range_are_refused(dtype: torch.dtype, values: np.ndarray) -> None:
+    """Catches 2**63 (float64 rounds int64's max up to it) cast into int64 as its minimum."""
+    p = pool()
+    with p.stage() as st, pytest.raises(StagingValueError, match="must fit"):
+        st.put(values, dtype)
