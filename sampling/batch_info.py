@@ -105,7 +105,7 @@ class SamplingBatchInfo:
             raise BatchMismatchError("'batch.reqs' must hold at least one request (got 0)")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise BatchMismatchError(f"'vocab_size' must be an int >= 1 (got {vocab_size!r})")
-        if torch.device(batch.device) != pool.device:
+        if batch.device != pool.device and not _same_device(batch.device, pool.device):
             raise DeviceMismatchError(f"'batch.device' must be the pool's device {pool.device} (got {batch.device})")
         joined = b"".join([r.sampling_params.record for r in reqs])
         host_records = np.frombuffer(joined, RECORD_DTYPE)
@@ -296,3 +296,18 @@ def _stage_bias(
         value_host[at : at + n] = values
         at += n
     return index_device, value_device
+
+
+def _same_device(value: torch.device | str, device: torch.device) -> bool:
+    """Whether ``value`` (a scheduler's device, maybe a string) names ``device``.
+
+    sglang's ``ScheduleBatch.device`` is the string ``"cuda"``: it means the current CUDA
+    device, as it does for a torch allocation, so it matches ``cuda:<current>``.
+    """
+    try:
+        named = torch.device(value)
+    except (RuntimeError, TypeError):
+        return False
+    if named.type == "cuda" and named.index is None and device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.current_device() == device.index
+    return named == device

@@ -99,3 +99,12 @@ def test_deterministic_tokens_ignore_batch_composition_on_gpu() -> None:
         )
         drawn.add(int(Sampler()(logits, info, positions)[-1]))
     assert len(drawn) == 1
+
+
+def test_sglang_style_bare_cuda_device_is_accepted() -> None:
+    """Catches ScheduleBatch.device == "cuda" (sglang's value) refused by a pool on the current device."""
+    rng = random.Random(5)
+    pool = PinnedRingBuffer(PoolSettings(device="cuda", num_slots=4, slot_bytes=1 << 16))
+    assert pool.device == torch.device("cuda", torch.cuda.current_device())
+    info = SamplingBatchInfo.from_schedule_batch(Batch([Req(random_params(rng, VOCAB))], "cuda"), VOCAB, pool)  # type: ignore[arg-type]
+    assert info.temperatures.device == pool.device

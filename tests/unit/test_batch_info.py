@@ -142,3 +142,17 @@ def test_device_and_empty_batch_errors() -> None:
         SamplingBatchInfo.from_schedule_batch(Batch([]), VOCAB, pool)
     with pytest.raises(ValueError, match="pool's device"):
         SamplingBatchInfo.from_schedule_batch(Batch([Req(SamplingParams())], torch.device("meta")), VOCAB, pool)
+
+
+def test_a_bare_cuda_batch_device_means_the_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches sglang's ScheduleBatch.device == "cuda" refused by a pool on cuda:<current>."""
+    from sampling.batch_info import _same_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert _same_device("cuda", torch.device("cuda", 1))
+    assert not _same_device("cuda", torch.device("cuda", 0))
+    assert _same_device("cuda:0", torch.device("cuda", 0))
+    assert not _same_device("cpu", torch.device("cuda", 1))
+    assert not _same_device("gpu", torch.device("cuda", 1))
+    assert _same_device("cpu", torch.device("cpu"))
