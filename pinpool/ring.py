@@ -231,12 +231,6 @@ class PinnedRingBuffer:
         if not ok:
             counters.aborted_stages += 1
 
-    def _stage_readback(self, st: Stage, src: torch.Tensor, offset: int) -> Readback:
-        # The fence is recorded after this copy (and so after the stage's upload and every
-        # kernel launched before): the handle never reports a copy as landed before it
-        # ran, and the stage's exit need not record it again.
-        return self._copy_back(st.slot, st.generation, src, offset, st.stream)
-
     def _copy_back(self, slot: int, generation: int, src: torch.Tensor, offset: int, stream: Stream | None) -> Readback:
         """One device-to-pinned copy of ``src`` into ``slot`` at ``offset``, then the slot's fence."""
         # Fast path: a (dtype, shape, offset) already cached for this slot passed the full

@@ -198,7 +198,9 @@ class Stage:
             self.flush()
         align = self._align
         offset = (self._cursor + align - 1) // align * align
-        handle = self._pool._stage_readback(self, src, offset)
+        # The fence is recorded after this copy (and so after the stage's upload and every
+        # kernel launched before): the stage's exit need not record it again.
+        handle = self._pool._copy_back(self.slot, self.generation, src, offset, self.stream)
         self._cursor = offset + src.numel() * src.element_size()
         self.read_back = True
         return handle

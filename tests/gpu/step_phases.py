@@ -95,10 +95,45 @@ def instrument(engine: Engine, phases: dict[str, list[float]]) -> None:
     engine._decode = decode  # type: ignore[method-assign]
 
 
+def time_cuda_calls(engine: Engine, phases: dict[str, list[float]]) -> None:
+    """Time the pool's copy and fence-record calls inside flush and readback (one frame more each)."""
+    transport: Any = engine.pool._transport
+    copy = transport.copy
+    clock = time.perf_counter
+
+    def timed_copy(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        start = clock()
+        copy(dst, src, stream)
+        phases["  of which copy " + ("up" if dst.is_cuda else "back")].append(clock() - start)
+
+    transport.copy = timed_copy
+    engine.pool._fences = [_TimedFence(f, phases["  of which record"]) for f in engine.pool._fences]
+
+
+class _TimedFence:
+    """Forwards to the pool's fence, timing each record."""
+
+    def __init__(self, inner: Any, samples: list[float]) -> None:
+        self.inner, self.samples = inner, samples
+
+    def record(self, stream: Any) -> None:
+        start = time.perf_counter()
+        self.inner.record(stream)
+        self.samples.append(time.perf_counter() - start)
+
+    def query(self) -> bool:
+        return bool(self.inner.query())
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+
 def run(mode: str, running: int, steps: int = 48) -> dict[str, float]:
     phases: dict[str, list[float]] = defaultdict(list)
     engine = _engine(mode, DEV, running, 0.0, 0.0)  # type: ignore[arg-type]
     instrument(engine, phases)
+    if mode == "pool":
+        time_cuda_calls(engine, phases)
     engine.submit(_requests(running, steps, seed=1))
     while engine.busy:
         engine.step()
@@ -111,7 +146,7 @@ def main() -> None:
     for running in (64, 256):
         for mode in ("pinned", "pool", "pinned", "pool"):
             r = run(mode, running)
-            staged = sum(v for k, v in r.items() if k != "(model)")
+            staged = sum(v for k, v in r.items() if k != "(model)" and not k.startswith(" "))
             cells = "  ".join(f"{k} {v:.1f}" for k, v in r.items() if k != "(model)")
             print(f"{running:4d} {mode:7s} staged {staged:6.1f} µs = {cells}")
 
