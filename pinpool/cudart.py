@@ -24,7 +24,7 @@ from pinpool.exceptions import TransportError
 from pinpool.sync_guard import refuse_explicit_sync
 
 SUCCESS = 0
-NOT_READY = 600  # cudaErrorNotReady: an event query on work still queued
+NOT_READY = 600  # cudaErrorNotReady: an event query on work still queued (not an error)
 HOST_TO_DEVICE = 1  # cudaMemcpyKind
 DEVICE_TO_HOST = 2
 _DISABLE_TIMING = 2  # cudaEventDisableTiming: such events are cheaper to record; we never read times
@@ -66,9 +66,10 @@ class Cudart:
 
     def __init__(self, lib: ctypes.CDLL, *, blocking: ctypes.CDLL | None = None) -> None:
         vp = ctypes.c_void_p
-        # The raw entry points (return code out, nothing checked) are public for the
-        # transport's hot path, which checks the code inline: every Python frame between
-        # the ring and the runtime costs host time (tests/gpu/step_phases.py).
+        # The hot path's entry points are raw (return code out, nothing checked): the
+        # transport and its fences call them and check the code inline, since every
+        # Python frame between the ring and the runtime costs host time
+        # (tests/gpu/step_phases.py). ``fail`` turns a code into the error.
         self.memcpy_raw = _bind(lib.cudaMemcpyAsync, [vp, vp, ctypes.c_size_t, ctypes.c_int, vp])
         self._create = _bind(lib.cudaEventCreateWithFlags, [ctypes.POINTER(vp), ctypes.c_uint])
         self._destroy = _bind(lib.cudaEventDestroy, [vp])
@@ -81,11 +82,6 @@ class Cudart:
         self._error_string = lib.cudaGetErrorString
         self._error_string.argtypes, self._error_string.restype = [ctypes.c_int], ctypes.c_char_p
 
-    def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
-        rc = self.memcpy_raw(dst, src, nbytes, kind, stream)
-        if rc:
-            self.fail(rc, "cudaMemcpyAsync")
-
     def event_create(self) -> int:
         handle = ctypes.c_void_p()
         rc = self._create(ctypes.byref(handle), _DISABLE_TIMING)
@@ -97,19 +93,6 @@ class Cudart:
     def event_destroy(self, event: int) -> None:
         # The runtime releases an event still pending once its work completes.
         self._destroy(event)
-
-    def event_record(self, event: int, stream: int) -> None:
-        rc = self.record_raw(event, stream)
-        if rc:
-            self.fail(rc, "cudaEventRecord")
-
-    def event_query(self, event: int) -> bool:
-        rc = self.query_raw(event)
-        if rc == SUCCESS:
-            return True
-        if rc != NOT_READY:
-            self.fail(rc, "cudaEventQuery")
-        return False
 
     def event_synchronize(self, event: int) -> None:
         refuse_explicit_sync("a pool fence's synchronize()")

@@ -15,7 +15,7 @@ import torch
 
 from pinpool import HostSyncError, PinnedRingBuffer, PoolSettings, TransportError, no_sync
 from pinpool.cudart import NOT_READY, Cudart, cudart_path
-from pinpool.transport import CudaTransport
+from pinpool.transport import CudaTransport, _DirectFence
 
 _NAMES = {0: b"cudaSuccess", 1: b"cudaErrorInvalidValue", 600: b"cudaErrorNotReady", 700: b"cudaErrorIllegalAddress"}
 
@@ -70,30 +70,63 @@ def test_cudart_path_picks_the_mapped_runtime() -> None:
     assert cudart_path(["7f-80 r--p 0 0:0 1 /opt/libcudart_static_helper.a"]) is None
 
 
+def direct_transport(rt: Cudart) -> CudaTransport:
+    """A CUDA transport driven by ``rt``, built without a GPU (streams are then given explicitly)."""
+    transport = CudaTransport(torch.device("cuda", 0))
+    transport._rt = rt
+    return transport
+
+
 def test_query_reads_not_ready_as_pending_and_success_as_passed() -> None:
     """Catches a pending fence read as passed (a slot rewritten under its copy)."""
-    pending, _ = runtime(NOT_READY)
-    assert pending.event_query(1) is False
-    passed, _ = runtime(0)
-    assert passed.event_query(1) is True
+    rt, lib = runtime(0)
+    fence = _recorded_fence(rt)
+    lib.query_rc = NOT_READY
+    assert fence.query() is False
+    lib.query_rc = 0
+    assert fence.query() is True
 
 
-@pytest.mark.parametrize(
-    ("call", "name"),
-    [
-        (lambda rt: rt.memcpy_async(1, 2, 3, 1, 0), "cudaMemcpyAsync"),
-        (lambda rt: rt.event_record(1, 0), "cudaEventRecord"),
-        (lambda rt: rt.event_query(1), "cudaEventQuery"),
-        (lambda rt: rt.event_synchronize(1), "cudaEventSynchronize"),
-        (lambda rt: rt.stream_wait_event(0, 1), "cudaStreamWaitEvent"),
-        (lambda rt: rt.event_create(), "cudaEventCreateWithFlags"),
-    ],
-)
-def test_a_failed_call_raises_transport_error_naming_call_and_code(call: Callable[[Cudart], object], name: str) -> None:
+def _recorded_fence(rt: Cudart) -> _DirectFence:
+    fence = _DirectFence(rt, direct_transport(rt))
+    fence.record(_Stream(5))
+    return fence
+
+
+def _copy_call(rt: Cudart) -> Callable[[], object]:
+    transport = direct_transport(rt)
+    return lambda: transport.copy(torch.zeros(4), torch.zeros(4), _Stream(5))
+
+
+def _fence_call(method: str) -> Callable[[Cudart], Callable[[], object]]:
+    def prepare(rt: Cudart) -> Callable[[], object]:
+        fence = _recorded_fence(rt)
+        return (lambda: fence.record(_Stream(5))) if method == "record" else getattr(fence, method)
+
+    return prepare
+
+
+# Each case builds its objects while the runtime still succeeds and returns the call to fail.
+_FAILING: list[tuple[Callable[[Cudart], Callable[[], object]], str]] = [
+    (_copy_call, "cudaMemcpyAsync"),
+    (_fence_call("record"), "cudaEventRecord"),
+    (_fence_call("query"), "cudaEventQuery"),
+    (_fence_call("synchronize"), "cudaEventSynchronize"),
+    (lambda rt: lambda: rt.stream_wait_event(0, 1), "cudaStreamWaitEvent"),
+    (lambda rt: rt.event_create, "cudaEventCreateWithFlags"),
+]
+
+
+@pytest.mark.parametrize(("prepare", "name"), _FAILING)
+def test_a_failed_call_raises_transport_error_naming_call_and_code(
+    prepare: Callable[[Cudart], Callable[[], object]], name: str
+) -> None:
     """Catches a CUDA error (a faulted kernel, a bad handle) swallowed or reported without its cause."""
-    rt, _ = runtime(700)
+    rt, lib = runtime(0)
+    call = prepare(rt)
+    lib.rc = 700  # every call fails from here on
     with pytest.raises(TransportError, match=rf"{name} failed with cudaErrorIllegalAddress \(700\): text for"):
-        call(rt)
+        call()
 
 
 def test_create_returns_the_handle_the_runtime_wrote() -> None:
@@ -127,8 +160,6 @@ class _Stream:
 
 def test_fence_watermark_skips_queries_only_for_earlier_fences_on_the_same_stream() -> None:
     """Catches a fence answered as passed from another stream's progress, or from its own stale record."""
-    from pinpool.transport import _DirectFence
-
     rt, lib = runtime(0)
     lib.query_rc = NOT_READY
     transport = CudaTransport(torch.device("cuda", 0))  # no GPU touched: streams are given explicitly
