@@ -19,7 +19,7 @@ from engine.loop import Engine, EngineConfig
 from engine.model import ModelConfig
 from engine.requests import Request, Workload, make_requests
 from engine.uploader import MODES, Mode
-from pinpool.benchkit import BenchContext, Table, host_allocs
+from pinpool.bench.kit import BenchContext, Table, host_allocs
 
 WARM_STEPS = 3
 

@@ -20,7 +20,7 @@ from memcache.req_to_token import ReqToTokenPool
 from memcache.write_cache import write_cache_indices
 from memcache.write_kernel import BLOCK, META_ROWS, launch_write_req_to_token
 from pinpool import PinnedRingBuffer, PoolSettings
-from pinpool.benchkit import BenchContext, Table, host_us_per_call
+from pinpool.bench.kit import BenchContext, Table, host_us_per_call
 
 MAX_LEN = 256
 KERNEL_SIZES = (1024, 4096, 8192)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings
-from pinpool.benchkit import BenchContext, Table, host_allocs, host_us_per_call
+from pinpool.bench.kit import BenchContext, Table, host_allocs, host_us_per_call
 from sampling.batch_info import SamplingBatchInfo
 from sampling.params import TOP_K_ALL, SamplingParams
 from sampling.sampler import Sampler

@@ -20,7 +20,7 @@ from memcache.bench import make_case
 from memcache.req_to_token import ReqToTokenPool
 from memcache.write_cache import write_cache_indices
 from pinpool import PinnedRingBuffer, PoolSettings
-from pinpool.bench import make_step
+from pinpool.bench.staging import make_step
 from sampling.batch_info import SamplingBatchInfo
 from sampling.bench import make_batch
 

@@ -16,7 +16,7 @@ gpu_rc=${PIPESTATUS[0]}
 TRITON_INTERPRET=1 python3 -m pytest tests/unit -q -p no:cacheprovider 2>&1 | tee "$OUT/unit_tests.log" | tail -2
 unit_rc=${PIPESTATUS[0]}
 bench_start=$SECONDS
-python3 -m pinpool.cli bench --json "$OUT/bench.json" --plot "$OUT/bench.png" "$@" 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
+python3 -m pinpool.bench.cli bench --json "$OUT/bench.json" --plot "$OUT/bench.png" "$@" 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 bench_seconds=$((SECONDS - bench_start))
 soak_rc=skipped

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pinpool.cli import main, registered_workloads
+from pinpool.bench.cli import main, registered_workloads
 
 
 def test_bench_runs_every_workload_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

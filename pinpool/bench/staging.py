@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pinpool.benchkit import BenchContext, Table, host_allocs, host_us_per_call
+from pinpool.bench.kit import BenchContext, Table, host_allocs, host_us_per_call
 from pinpool.ring import PinnedRingBuffer
 from pinpool.settings import PoolSettings
 

@@ -73,8 +73,21 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def host_us_per_call(ctx: BenchContext, fn: Callable[[], Any], iters: int | None = None) -> float:
-    """Median over ``ctx.repeats`` blocks of the host µs per call of ``fn``.
+@attrs.frozen
+class Spread:
+    """Host µs per call over the repeats: every figure is shown with its spread, not alone."""
+
+    min: float
+    median: float
+    max: float
+
+    @classmethod
+    def of(cls, samples: list[float]) -> Spread:
+        return cls(min(samples), statistics.median(samples), max(samples))
+
+
+def host_us_spread(ctx: BenchContext, fn: Callable[[], Any], iters: int | None = None) -> Spread:
+    """Host µs per call of ``fn`` in each of ``ctx.repeats`` blocks: min, median, max.
 
     Each block synchronises before reading the clock at both ends, so queued device work
     from one block cannot hide in the next (one sync per block, amortised over iters).
@@ -90,7 +103,12 @@ def host_us_per_call(ctx: BenchContext, fn: Callable[[], Any], iters: int | None
             fn()
         ctx.synchronize()
         samples.append((time.perf_counter() - start) / n * 1e6)
-    return statistics.median(samples)
+    return Spread.of(samples)
+
+
+def host_us_per_call(ctx: BenchContext, fn: Callable[[], Any], iters: int | None = None) -> float:
+    """The median of ``host_us_spread``."""
+    return host_us_spread(ctx, fn, iters).median
 
 
 def host_allocs() -> int:

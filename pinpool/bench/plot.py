@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pinpool.benchkit import Table
+from pinpool.bench.kit import Table
 
 
 def plot_tables(tables: list[Table], path: Path, subtitle: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from pinpool.benchkit import BenchContext, Table
+from pinpool.bench.kit import BenchContext, Table
 
 Workload = Callable[[BenchContext], list[Table]]
 
@@ -21,7 +21,7 @@ Workload = Callable[[BenchContext], list[Table]]
 def registered_workloads() -> dict[str, Workload]:
     found = {ep.name: ep for ep in entry_points(group="pinpool.bench")}
     if not found:  # running from a source tree that was never installed
-        from pinpool.bench import workload
+        from pinpool.bench.staging import workload
 
         return {"staging": workload}
     return {name: ep.load() for name, ep in sorted(found.items())}
@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         args.json.write_text(json.dumps(payload, indent=2))
     if args.plot is not None:
-        from pinpool.plot import plot_tables
+        from pinpool.bench.plot import plot_tables
 
         plot_tables(tables, args.plot, f"{name}, torch {torch.__version__}")
     return 1 if failed else 0
