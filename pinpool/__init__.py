@@ -15,7 +15,6 @@ from pinpool.exceptions import (
     StagingValueError,
     StaleLeaseError,
     ThreadOwnershipError,
-    TransportError,
 )
 from pinpool.readback import Readback
 from pinpool.ring import PinnedRingBuffer
@@ -42,7 +41,6 @@ __all__ = [
     "StagingValueError",
     "StaleLeaseError",
     "ThreadOwnershipError",
-    "TransportError",
     "is_pin_memory_available",
     "no_sync",
 ]

@@ -46,15 +46,3 @@ class StaleLeaseError(PinpoolError, RuntimeError):
 
 class HostSyncError(PinpoolError, RuntimeError):
     """Code inside ``no_sync()`` made (or would make) the host wait on the GPU."""
-
-
-class AllocationError(PinpoolError, RuntimeError):
-    """An allocator (rows, KV slots) cannot satisfy a request."""
-
-
-class ValidationError(PinpoolError, ValueError):
-    """Inputs of a batch operation are inconsistent or out of bounds."""
-
-
-class TransportError(PinpoolError, RuntimeError):
-    """A CUDA runtime call the pool made directly failed (the message names the call and the error)."""

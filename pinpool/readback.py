@@ -1,9 +1,9 @@
 """``Readback``: device values brought back to a pinned slot, read when their fence has passed.
 
 The other direction of the ring: ``pool.readback(tensor)`` claims a slot like a stage,
-queues one device-to-pinned copy and records the slot's fence. The host reads the values
-later (a decode loop reads step N's tokens while the GPU runs step N+1), so the wait in
-``values()`` is normally already satisfied.
+queues one device-to-pinned copy on its stream and records the slot's fence there. The
+host reads the values later (a decode loop reads step N's tokens while the GPU runs step
+N+1), so the wait in ``values()`` is normally already satisfied.
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ if TYPE_CHECKING:
 
 
 class Readback:
-    """A pending device-to-host copy into one ring slot."""
+    """A pending device-to-host copy into one ring slot.
+
+    Example::
+
+        handle = pool.readback(next_tokens)   # queued on the current stream, no wait
+        ...                                   # launch the next step
+        tokens = handle.tolist()              # waits only if the copy has not landed
+    """
 
     __slots__ = ("_fence", "_host", "_landed_seen", "_pool", "generation", "slot")
 
@@ -53,12 +60,12 @@ class Readback:
         return self._host.tolist()  # sync-ok: a numpy view of pinned host memory whose fence has passed (checked above)
 
     def _landed(self) -> None:
-        if self._pool._slot_generation[self.slot] != self.generation:
+        if self._pool.slot_generation(self.slot) != self.generation:
             raise StaleLeaseError(
                 f"readback of generation {self.generation} (slot {self.slot}) was read after the slot was recycled; "
-                "read it within num_slots stages"
+                "read it within num_slots - 1 further claims of the ring"
             )
         if not self._landed_seen:
             if not self._fence.query():
-                self._pool._readback_wait(self._fence)
+                self._pool.wait_for_readback(self._fence)
             self._landed_seen = True

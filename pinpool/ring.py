@@ -1,8 +1,16 @@
-"""``PinnedRingBuffer``: persistent pinned host slots, their device mirror, one fence each.
+"""``PinnedRingBuffer``: persistent pinned host slots, their device mirror, and the rules of reuse.
 
-Everything is allocated in ``__init__``; staging afterwards allocates nothing (design
-invariant 4). A stage claims the next slot, takes values into its pinned region, and on
-exit issues one copy of the used bytes and records the slot's fence.
+The ring owns every slot's state: its fence, its last user's stream, its generation and
+what it keeps alive. ``Stage`` and ``Readback`` reach it only through the methods under
+"the slot interface" below. A value's path: ``Stage.put`` writes the slot's pinned
+region (stage.py), ``issue_copy`` lands the used bytes with one copy on the stage's
+stream, ``finish_stage`` records the slot's fence there, and the next ``_claim`` of the
+slot waits on that fence before the host writes the region again.
+
+The rules are the README's, numbered the same: 1 host reuse waits on the fence; 2 the
+device region is rewritten only after its readers, on any stream; 3 one copy per stage;
+4 owned stages for data that outlives the ring; 5 ``retain``; 6 read-backs; 7 the host
+path; 8 every CUDA call under the pool's device (the transport's job).
 """
 
 from __future__ import annotations
@@ -12,35 +20,46 @@ import time
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
-from pinpool.encode import NUMPY_DTYPE
+from pinpool.encode import NUMPY_DTYPE, write
 from pinpool.exceptions import CapacityError, DeviceMismatchError, PoolStateError, ThreadOwnershipError
 from pinpool.log import get_logger
 from pinpool.readback import Readback
 from pinpool.settings import PoolSettings
+from pinpool.slots import BoundedCache, SlotLayout
 from pinpool.stage import Stage
 from pinpool.stats import Counters, PoolStats
 from pinpool.transport import Fence, Stream, Transport, transport_for
 
 _log = get_logger("pinpool")
 _POISON_BYTE = 0xFF  # NaN in every float dtype, -1 in every signed int dtype
+_UNUSED = object()  # a slot's last stream before any user
 
 
 class PinnedRingBuffer:
     """A ring of ``num_slots`` reusable staging slots for one device.
+
+    Example::
+
+        pool = PinnedRingBuffer(PoolSettings(device="cuda:0", num_slots=4))
+        with pool.stage() as st:            # stream fixed now: the current one
+            temps = st.put([0.7, 1.0], torch.float32)
+        # one copy landed both values; ``temps`` stays valid for 3 more claims
 
     One pool per worker process and device; it is not thread-safe (``debug=True``
     enforces that it is only used from the thread that created it).
     """
 
     def __init__(self, settings: PoolSettings | None = None, *, transport: Transport | None = None) -> None:
+        """Allocate the pinned slab, the device mirror and one fence per slot: all the memory it will use.
+
+        ``transport``: how copies and fences are made (default: CUDA through torch, or
+        plain host memory on CPU); tests pass ``pinpool.simulated.LaggingGpu``.
+        """
         self.settings = settings if settings is not None else PoolSettings()
-        self._transport = (
-            transport
-            if transport is not None
-            else transport_for(self.settings.device, direct=self.settings.cudart_direct)
-        )
+        self._transport = transport if transport is not None else transport_for(self.settings.device)
         if self._transport.device != self.settings.device:
             raise DeviceMismatchError(
                 f"'transport' must serve the settings' device {self.settings.device} (got {self._transport.device})"
@@ -48,28 +67,30 @@ class PinnedRingBuffer:
         slot_bytes, num_slots = self.settings.slot_bytes, self.settings.num_slots
         self.host_slab = self._transport.alloc_host(slot_bytes * num_slots)
         self.device_mirror = self._transport.alloc_device(slot_bytes * num_slots)
-        self._host_slots = [self.host_slab[i * slot_bytes : (i + 1) * slot_bytes] for i in range(num_slots)]
-        self._device_slots = [self.device_mirror[i * slot_bytes : (i + 1) * slot_bytes] for i in range(num_slots)]
-        # Typed views per slot and dtype, built once, so a put is one slice per side.
-        host_np = self.host_slab.numpy()
-        self._host_bytes = host_np.data  # the whole slab as a writable memoryview, for struct packing
-        self._host_views: list[dict[torch.dtype, Any]] = []
-        self._device_views: list[dict[torch.dtype, torch.Tensor]] = []
-        for i in range(num_slots):
-            raw_np = host_np[i * slot_bytes : (i + 1) * slot_bytes]
-            host: dict[torch.dtype, Any] = {d: raw_np.view(n) for d, n in NUMPY_DTYPE.items()}
-            host[torch.bfloat16] = self._host_slots[i].view(torch.bfloat16)
-            self._host_views.append(host)
-            self._device_views.append({d: self._device_slots[i].view(d) for d in host})
-        self._view_cache: list[dict[tuple[torch.dtype, int, int], torch.Tensor]] = [{} for _ in range(num_slots)]
-        # Copy ranges per (slot, bytes): one host and one device view, reused every lap.
-        self._copy_ranges: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(num_slots)]
-        self._readback_cache: list[dict[tuple[torch.dtype, torch.Size, int], tuple[torch.Tensor, Any, int]]] = [
-            {} for _ in range(num_slots)
+        host_bytes = self.host_slab.numpy().data  # the whole slab as a writable memoryview
+        self._layouts = [
+            SlotLayout(
+                self.host_slab[i * slot_bytes : (i + 1) * slot_bytes],
+                self.device_mirror[i * slot_bytes : (i + 1) * slot_bytes],
+                host_bytes,
+                i * slot_bytes,
+            )
+            for i in range(num_slots)
         ]
+        # Per slot: the fence recorded after its last copy (rule 1), the stream of its last
+        # user and a hand-off fence for a change of stream (rule 2), its generation, and
+        # what must outlive its next fence (rule 5).
         self._fences: list[Fence] = [self._transport.new_fence() for _ in range(num_slots)]
-        self._retained: list[list[Any]] = [[] for _ in range(num_slots)]
+        self._last_stream: list[Stream] = [_UNUSED] * num_slots
+        self._handoff: list[Fence] = [self._transport.new_fence() for _ in range(num_slots)]
         self._slot_generation = [0] * num_slots
+        self._retained: list[list[Any]] = [[] for _ in range(num_slots)]
+        self._copy_ranges: list[BoundedCache[int, tuple[torch.Tensor, torch.Tensor]]] = [
+            BoundedCache() for _ in range(num_slots)
+        ]
+        self._readback_views: list[BoundedCache[tuple[Any, ...], tuple[torch.Tensor, Any, int]]] = [
+            BoundedCache() for _ in range(num_slots)
+        ]
         self._consumers: list[tuple[Stream, list[Fence]]] = []
         self._next_slot = 0
         self._device_index = self.device.index if self.device.type == "cuda" else -1
@@ -97,52 +118,58 @@ class PinnedRingBuffer:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def claims(self) -> int:
+        """Slots claimed so far: every stage (owned or not) and every ``pool.readback``.
+
+        The lifetime unit of rule 2: a ring view stays valid until ``num_slots - 1``
+        further claims, whoever makes them, a library call's hidden stages included.
+        """
+        return self._generation
+
     def stage(
         self, *, stream: Stream | None = None, owned_bytes: int | None = None, owned: torch.Tensor | None = None
     ) -> Stage:
         """Open a stage in the next slot; use as ``with pool.stage() as st:``.
 
-        ``stream``: where the copy goes (default: the current stream of the pool's device).
-        ``owned_bytes`` / ``owned``: copy into consumer-owned device memory instead of the
-        ring mirror (design invariant 5), for data that outlives ``num_slots`` stages.
+        ``stream``: where the stage's copy, fence and read-backs go. Fixed now: the one
+        passed, or the pool device's current stream at this call, wherever the stage is
+        closed (rule 2). ``owned_bytes`` / ``owned``: copy into consumer-owned device
+        memory instead of the ring mirror (rule 4), for data that outlives the ring.
         """
         if self._open is not None or self._closed or self.settings.debug:
             self._check_usable()  # raises, or (debug) checks the calling thread
-        if stream is not None:
-            self._transport.check_stream(stream)
+        stream = self._transport.resolve_stream(stream)
         owned_device = None if owned_bytes is None and owned is None else self._owned_buffer(owned_bytes, owned)
-        slot = self._claim_slot()
-        if owned_device is None and (self._consumers or self.settings.debug):
-            self._guard_device_region(slot, stream)
-        st = Stage(self, slot, self._generation, stream, owned_device)
+        slot = self._claim(stream, writes_mirror=owned_device is None)
+        st = Stage(self, self._layouts[slot], slot, self._generation, stream, owned_device)
         self._open = st
         return st
 
     def readback(self, src: torch.Tensor, *, stream: Stream | None = None) -> Readback:
         """Copy the device tensor ``src`` into the next slot's pinned region; read it later.
 
-        Same slot discipline as a stage: the slot's fence is waited on (invariant 1) before
-        its host region is written, and recorded after the copy. The values stay readable
-        until the slot is recycled ``num_slots`` stages or readbacks later.
+        Same rules as a stage: the stream is fixed now, the slot's fence is waited on
+        before its host region is written (rule 1) and recorded after the copy. The values
+        stay readable until ``num_slots - 1`` further claims.
         """
         self._check_usable()
-        if stream is not None:
-            self._transport.check_stream(stream)
+        stream = self._transport.resolve_stream(stream)
         self._check_readback_src(src, 0)  # before claiming: a refused call leaves the ring as it was
-        slot = self._claim_slot()
-        handle = self._copy_back(slot, self._generation, src, 0, stream)
+        slot = self._claim(stream, writes_mirror=False)
+        handle = self.copy_back(slot, self._generation, src, 0, stream)
         self._next_slot = (slot + 1) % self.settings.num_slots
         return handle
 
     def register_consumer_stream(self, stream: Stream) -> None:
-        """Protect staged slices read on ``stream`` (design invariant 2).
+        """Protect staged slices read on ``stream`` as well as on the stage's own (rule 2).
 
-        Before a slot's device region is overwritten, the staging stream waits on the
+        Before a slot's device region is overwritten, the stage's stream waits on the
         device for all work queued on ``stream`` so far: never a host wait.
         """
         self._check_usable()
-        self._transport.check_stream(stream)
-        if any(s is stream for s, _ in self._consumers):
+        stream = self._transport.resolve_stream(stream)
+        if any(self._transport.same_stream(s, stream) for s, _ in self._consumers):
             return
         fences = [self._transport.new_fence() for _ in range(self.settings.num_slots)]
         self._consumers.append((stream, fences))
@@ -152,25 +179,30 @@ class PinnedRingBuffer:
         return PoolStats.of(self._counters)
 
     def close(self) -> None:
-        """Wait for every in-flight copy, then drop the memory. A second call is a no-op."""
+        """Wait for every in-flight copy, then drop the memory. A second call is a no-op.
+
+        Inside an open stage it raises and frees nothing: that stage's copy may be queued.
+        """
         if self._closed:
             return
         if self._open is not None:
             raise PoolStateError("close() called inside an open stage: finish the stage first")
-        for fence in self._fences:
-            fence.synchronize()  # sync-ok: teardown, once per pool; copies must finish before free
+        self._drain()
         self._closed = True
         self._retained = [[] for _ in self._retained]
         _log.info("pool.closed", device=str(self.device), **attrs.asdict(self._counters))
 
     def __del__(self) -> None:
-        # A pool dropped without close() may still have copies and retained tensors in
-        # flight; wait for them so nothing it guards is freed early.
-        if getattr(self, "_closed", True) or getattr(self, "_open", None) is not None:
+        # A pool dropped without close() may still have copies, and retained tensors, in
+        # flight: wait for them so nothing they read or write is freed early. A stage left
+        # open (its ``with`` never exited) may have flushed a copy: fence it first.
+        if getattr(self, "_closed", True):
             return
         try:
-            for fence in self._fences:
-                fence.synchronize()  # sync-ok: finaliser of an unclosed pool, once
+            st = self._open
+            if st is not None and st.copy_issued:
+                self._fences[st.slot].record(st.stream)
+            self._drain()
         except Exception:  # interpreter shutdown: the CUDA context may already be gone
             return
 
@@ -180,69 +212,79 @@ class PinnedRingBuffer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- used by Stage -----------------------------------------------------------------
-    def _copy(self, st: Stage) -> None:
+    # -- the slot interface (used by Stage and Readback) ----------------------------
+    def slot_generation(self, slot: int) -> int:
+        """The generation of the claim that holds ``slot`` now (a lease is live while it matches)."""
+        return self._slot_generation[slot]
+
+    def retain(self, slot: int, objs: tuple[Any, ...]) -> None:
+        """Keep ``objs`` alive until ``slot``'s next fence has passed (rule 5)."""
+        self._retained[slot].extend(objs)
+
+    def issue_copy(self, st: Stage) -> None:
+        """The stage's one copy of its used bytes (rule 3), on its own stream."""
         nbytes = st.used_bytes
         if nbytes == 0:
             return
-        if st._owned_device is not None:
-            dst, src = st._owned_device[:nbytes], self._host_slots[st.slot][:nbytes]
+        layout = self._layouts[st.slot]
+        if st.owned_device is not None:
+            dst, src = st.owned_device[:nbytes], layout.host_raw[:nbytes]
         else:
             ranges = self._copy_ranges[st.slot]
             pair = ranges.get(nbytes)
             if pair is None:
-                if len(ranges) >= 256:
-                    ranges.clear()
-                pair = ranges[nbytes] = (self._device_slots[st.slot][:nbytes], self._host_slots[st.slot][:nbytes])
+                pair = ranges.put(nbytes, (layout.device_raw[:nbytes], layout.host_raw[:nbytes]))
             dst, src = pair
-        # Invariant 3: one contiguous byte range of the slot, one copy.
         self._transport.copy(dst, src, st.stream)
+        st.copy_issued = True
         counters = self._counters
         counters.copies += 1
         counters.bytes_copied += nbytes
 
-    def _finish(self, st: Stage, ok: bool) -> None:
-        if not st._open:
+    def finish_stage(self, st: Stage, ok: bool) -> None:
+        """Close ``st``: its copy if not issued yet, then the slot's fence on the stage's stream."""
+        if self._open is not st:
             return
-        st._open = False
         self._open = None
         counters = self._counters
-        if not ok and not st.spilled and not st.flushed:
+        if not ok and not st.copy_issued:
             # Nothing was copied, so the slot's last fence (already passed) still guards
             # it: hand the same slot to the next stage. Its generation moves on, so views
-            # from this stage read as stale. (A flushed stage has a copy in flight: it
-            # falls through and records its fence like a finished one, invariant 1.)
+            # from this stage read as stale.
             counters.aborted_stages += 1
             _log.debug("stage.aborted", slot=st.slot, generation=st.generation)
             return
         if ok and not st.flushed:
-            self._copy(st)
-        if st.used_bytes == 0 and not st.spilled and not st.read_back:
-            counters.stages += 1
-            return
+            self.issue_copy(st)
+        counters.stages += 1
+        if st.used_bytes == 0 and not st.copy_issued:
+            return  # nothing in flight: the slot is free for the next claim as it is
         if not st.read_back:
-            # (After a stage read-back, its fence is already recorded after every copy of
-            # the stage, and nothing may be added to it: recording again is only cost.)
+            # Rule 1, on the stage's fixed stream: wherever the stage is closed, the fence
+            # follows its copy. (After a stage read-back the fence is already recorded
+            # after every copy of the stage.)
             self._fences[st.slot].record(st.stream)
         self._next_slot = (st.slot + 1) % self.settings.num_slots
-        counters.stages += 1
         if st.owned:
             counters.owned_stages += 1
         if not ok:
             counters.aborted_stages += 1
 
-    def _copy_back(self, slot: int, generation: int, src: torch.Tensor, offset: int, stream: Stream | None) -> Readback:
-        """One device-to-pinned copy of ``src`` into ``slot`` at ``offset``, then the slot's fence."""
-        # Fast path: a (dtype, shape, offset) already cached for this slot passed the full
-        # checks when it was cached; what can differ per call is the device and layout.
+    def copy_back(self, slot: int, generation: int, src: torch.Tensor, offset: int, stream: Stream) -> Readback:
+        """One device-to-pinned copy of ``src`` into ``slot`` at ``offset`` on ``stream``, then the slot's fence."""
+        # Fast path: a (dtype, shape, offset) cached for this slot passed the full checks
+        # when it was cached; what can differ per call is the device and the layout.
+        cache = self._readback_views[slot]
         views = None
         if type(src) is torch.Tensor and self._device_index >= 0:
-            views = self._readback_cache[slot].get((src.dtype, src.shape, offset))
+            views = cache.get((src.dtype, src.shape, offset))
             if views is not None and (src.get_device() != self._device_index or not src.is_contiguous()):
                 views = None
         if views is None:
             nbytes = self._check_readback_src(src, offset)  # raises on anything it cannot copy
-            views = self._readback_views(slot, src.dtype, src.shape, nbytes, offset)
+            views = cache.get((src.dtype, src.shape, offset)) or cache.put(
+                (src.dtype, src.shape, offset), self._host_views_for(slot, src.dtype, src.shape, nbytes, offset)
+            )
         host_t, host_np, nbytes = views
         self._transport.copy(host_t, src, stream)
         fence = self._fences[slot]
@@ -252,7 +294,94 @@ class PinnedRingBuffer:
         counters.bytes_read_back += nbytes
         return Readback(self, slot, generation, fence, host_np)
 
+    def wait_for_readback(self, fence: Fence) -> None:
+        """The host wait of a read whose copy has not landed: counted and timed."""
+        start = time.perf_counter()
+        fence.synchronize()  # sync-ok: the caller asked for values whose copy is still queued
+        counters = self._counters
+        counters.readback_waits += 1
+        counters.readback_wait_seconds += time.perf_counter() - start
+
+    def spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor:
+        """Stage ``src`` through its own pinned buffer (``overflow='spill'``); returns its device tensor.
+
+        Correct but not free: one pinned and one device allocation and a second copy,
+        each counted and logged as ``stage.overflow`` so a mis-sized pool shows.
+        """
+        nbytes = numel * dtype.itemsize
+        transport = self._transport
+        host = transport.alloc_host(nbytes)
+        write(host.numpy().view(NUMPY_DTYPE[dtype]) if dtype in NUMPY_DTYPE else host.view(dtype), src, dtype, name)
+        device = transport.alloc_device(nbytes)
+        transport.copy(device, host, st.stream)
+        # The one-off pinned buffer must outlive its copy: the slot's fence, recorded when
+        # the stage closes, covers this copy too.
+        self._retained[st.slot].append(host)
+        counters = self._counters
+        counters.overflows += 1
+        counters.host_allocations += 1
+        counters.device_allocations += 1
+        counters.copies += 1
+        counters.bytes_copied += nbytes
+        _log.warning(
+            "stage.overflow",
+            field=name,
+            nbytes=nbytes,
+            slot_bytes=self.settings.slot_bytes,
+            overflows=counters.overflows,
+        )
+        return device.view(dtype)
+
     # -- internals ---------------------------------------------------------------------
+    def _claim(self, stream: Stream, *, writes_mirror: bool) -> int:
+        """The next slot, safe to write on the host, guarded on the device for ``stream``, under a new generation."""
+        slot = self._next_slot
+        fence = self._fences[slot]
+        # Rule 1: the host region may still feed a pending copy (or receive a read-back).
+        # Wait for the slot's fence: bounded, and only when the GPU is num_slots behind.
+        if not fence.query():
+            self._stall(slot, fence)
+        if self._retained[slot]:
+            # Rule 5: the fence has passed, so the kernels that read these are done.
+            self._retained[slot].clear()
+        last = self._last_stream[slot]
+        if last is not stream and last is not _UNUSED and not self._transport.same_stream(last, stream):
+            # Rule 2, change of stream: work queued on the slot's previous user's stream
+            # (its copy, and kernels reading its slices there) must finish before this
+            # stream touches the slot. An event recorded there now covers all of it; the
+            # wait is on the device. Nothing is spent while the stream stays the same.
+            self._hand_off(slot, last, stream)
+        self._last_stream[slot] = stream
+        if writes_mirror and (self._consumers or self.settings.debug):
+            self._guard_consumers(slot, stream)
+        self._generation += 1
+        self._slot_generation[slot] = self._generation
+        return slot
+
+    def _hand_off(self, slot: int, last: Stream, stream: Stream) -> None:
+        handoff = self._handoff[slot]
+        handoff.record(last)
+        self._transport.stream_wait(stream, handoff)
+
+    def _guard_consumers(self, slot: int, stream: Stream) -> None:
+        # Rule 2, registered consumer streams: their queued work must finish before the
+        # region is overwritten.
+        transport = self._transport
+        for consumer, fences in self._consumers:
+            if transport.same_stream(consumer, stream):
+                continue
+            fences[slot].record(consumer)
+            transport.stream_wait(stream, fences[slot])
+        if self.settings.debug:
+            # Poison the recycled region so a stale raw view reads NaN / -1, not old data.
+            transport.fill(self._layouts[slot].device_raw, _POISON_BYTE, stream)
+
+    def _drain(self) -> None:
+        fences = [*self._fences, *self._handoff, *(f for _, group in self._consumers for f in group)]
+        for fence in fences:
+            if not fence.query():
+                fence.synchronize()  # sync-ok: teardown, once per pool; copies must finish before free
+
     def _check_readback_src(self, src: torch.Tensor, offset: int) -> int:
         """Bytes of ``src`` once it is known to be a readable device tensor that fits at ``offset``."""
         if not isinstance(src, torch.Tensor):
@@ -272,26 +401,16 @@ class PinnedRingBuffer:
             )
         return nbytes
 
-    def _readback_views(
+    def _host_views_for(
         self, slot: int, dtype: torch.dtype, shape: torch.Size, nbytes: int, offset: int
-    ) -> tuple[torch.Tensor, Any, int]:
-        """(pinned torch view, numpy view, bytes) of the slot at ``offset``, shaped like the source.
-
-        A decode loop reads back the same shape every step; building the two views costs
-        more host time than the copy itself, so they are made once per slot and shape.
-        """
-        cache = self._readback_cache[slot]
-        key = (dtype, shape, offset)
-        views = cache.get(key)
-        if views is None:
-            if len(cache) >= 64:
-                cache.clear()
-            itemsize = self._host_views[slot][dtype].itemsize
-            first = offset // itemsize
-            host_np = self._host_views[slot][dtype][first : first + nbytes // itemsize].reshape(shape)
-            host_t = self._host_slots[slot][offset : offset + nbytes].view(dtype).view(shape)
-            views = cache[key] = (host_t, host_np, nbytes)
-        return views
+    ) -> tuple[torch.Tensor, np.ndarray[Any, Any], int]:
+        """(pinned torch view, numpy view, bytes) of the slot at ``offset``, shaped like a read-back's source."""
+        layout = self._layouts[slot]
+        itemsize = dtype.itemsize
+        first = offset // itemsize
+        host_np = layout.host[dtype][first : first + nbytes // itemsize].reshape(shape)
+        host_t = layout.host_raw[offset : offset + nbytes].view(dtype).view(shape)
+        return host_t, host_np, nbytes
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -325,44 +444,9 @@ class PinnedRingBuffer:
         self._counters.device_allocations += 1
         return self._transport.alloc_device((owned_bytes + align - 1) // align * align)
 
-    def _claim_slot(self) -> int:
-        """The next slot, safe to write on the host, under a new generation."""
-        slot = self._next_slot
-        fence = self._fences[slot]
-        # Invariant 1: the host region may still feed a pending copy. Wait for the slot's
-        # fence: bounded, and only when the GPU is num_slots stages behind.
-        if not fence.query():
-            self._stall(slot, fence)
-        if self._retained[slot]:
-            # Invariant 6: the fence has passed, so the kernels that read these are done.
-            self._retained[slot].clear()
-        self._generation += 1
-        self._slot_generation[slot] = self._generation
-        return slot
-
-    def _guard_device_region(self, slot: int, stream: Stream | None) -> None:
-        # Invariant 2: on the staging stream, stream order already puts this stage's copy
-        # after every earlier kernel that read the slot. Registered consumer streams get a
-        # device-side wait: their queued work must finish before the region is overwritten.
-        for consumer, fences in self._consumers:
-            if consumer is stream:
-                continue
-            fences[slot].record(consumer)
-            self._transport.stream_wait(stream, fences[slot])
-        if self.settings.debug:
-            # Poison the recycled region so a stale raw view reads NaN / -1, not old data.
-            self._transport.fill(self._device_slots[slot], _POISON_BYTE, stream)
-
-    def _readback_wait(self, fence: Fence) -> None:
-        start = time.perf_counter()
-        fence.synchronize()  # sync-ok: the caller asked for values whose copy is still queued
-        counters = self._counters
-        counters.readback_waits += 1
-        counters.readback_wait_seconds += time.perf_counter() - start
-
     def _stall(self, slot: int, fence: Fence) -> None:
         start = time.perf_counter()
-        fence.synchronize()  # sync-ok: invariant 1, bounded; only when the GPU is num_slots stages behind
+        fence.synchronize()  # sync-ok: rule 1, bounded; only when the GPU is num_slots claims behind
         waited = time.perf_counter() - start
         counters = self._counters
         counters.stalls += 1

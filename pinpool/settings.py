@@ -90,11 +90,6 @@ class PoolSettings:
     #: Log ``slot.stall`` for every host wait on a slot event (off by default: a lagging
     #: GPU would flood the log; the stats count stalls either way).
     log_stalls: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
-    #: On CUDA, make the ring's copies, fences and stream waits by calling the CUDA
-    #: runtime torch loaded, skipping torch's per-call overhead (``pinpool.cudart``).
-    #: False goes through torch (for example to see the copies as aten ops in a torch
-    #: profile). Without that runtime in the process the pool goes through torch anyway.
-    cudart_direct: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
         if self.alignment < 8:
@@ -115,7 +110,7 @@ class PoolSettings:
 
         Read here and nowhere else: ``PINPOOL_DEVICE``, ``PINPOOL_SLOT_BYTES``,
         ``PINPOOL_NUM_SLOTS``, ``PINPOOL_ALIGNMENT``, ``PINPOOL_OVERFLOW``,
-        ``PINPOOL_DEBUG``, ``PINPOOL_LOG_STALLS``, ``PINPOOL_CUDART_DIRECT``.
+        ``PINPOOL_DEBUG``, ``PINPOOL_LOG_STALLS``.
         """
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}

@@ -1,12 +1,21 @@
-"""``LaggingGpu``: a deterministic stand-in for a CUDA device that runs behind the host.
+"""``LaggingGpu``: a deterministic, stream-aware stand-in for a CUDA device that runs behind the host.
 
-Copies, fills and checks are queued and executed later, a random number of operations
-behind, as a real GPU would. It records two kinds of failure instead of raising, so a
-property test can report them:
-- ``races``: a copy whose host source changed between enqueue and execution (the host
-  wrote a region while a copy that reads it was pending: design invariant 1 broken);
-- ``mismatches``: a queued check whose device view did not hold the expected values when
-  the "GPU" reached it (a staged value did not arrive intact).
+It models what the ring's rules depend on:
+- one queue per stream (``SimStream``), run in order within a stream and in a random
+  interleaving across streams, each falling behind the host by a random amount;
+- events recorded on a stream (``SimFence``): passed once that stream has run past them;
+- device-side stream waits: the waiting stream's later work starts only after the event;
+- a current stream per device and a current device, as CUDA has. A pool resolves "the
+  current stream" of its own device; a copy or record handed a stream of another device
+  is recorded as an error, as CUDA answers ``invalid resource handle``.
+
+Failures are recorded, not raised, so a property test can report them:
+- ``races``: a host-to-device copy whose pinned source changed between enqueue and
+  execution, or a device-to-host copy whose pinned destination the host wrote meanwhile
+  (rule 1 broken);
+- ``mismatches``: a queued reader ("kernel") that found other values than the ones
+  staged (rule 2 broken: the region was overwritten before its reader ran);
+- ``errors``: work handed to a stream of another device.
 """
 
 from __future__ import annotations
@@ -19,45 +28,114 @@ from typing import Any
 import numpy as np
 import torch
 
-Op = Callable[[], None]
+from pinpool.exceptions import DeviceMismatchError
+
+Op = Callable[[], object]
+
+
+class _Marker:
+    """A point in one stream's queue; ``done`` once the stream has run past it."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+class SimStream:
+    """One in-order queue of device work on one device."""
+
+    def __init__(self, gpu: LaggingGpu, name: str, device_index: int) -> None:
+        self.gpu = gpu
+        self.name = name
+        self.device_index = device_index
+        #: (op, the marker it must wait for or None)
+        self.queue: deque[tuple[Op, _Marker | None]] = deque()
+        #: How often the device picks this stream when several can run: streams of one
+        #: device drift apart, as a busy forward stream lags an idle copy stream.
+        self.speed = gpu.rng.uniform(0.05, 1.0)
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.name!r}, device {self.device_index})"
 
 
 class SimFence:
+    """An event: ``record`` puts a marker at the end of a stream's queue."""
+
     def __init__(self, gpu: LaggingGpu) -> None:
         self._gpu = gpu
-        self._position = 0  # ops that must have executed for the fence to pass
+        self.marker: _Marker | None = None  # never recorded: reads as passed, as CUDA does
 
-    def record(self, stream: Any) -> None:
-        self._position = self._gpu.enqueued
+    def record(self, stream: SimStream) -> None:
+        marker = _Marker()
+
+        def run() -> None:
+            marker.done = True
+
+        self._gpu.submit(stream, run, "cudaEventRecord")
+        self.marker = marker
 
     def query(self) -> bool:
-        return self._gpu.executed >= self._position
+        return self.marker is None or self.marker.done
 
     def synchronize(self) -> None:
         self._gpu.host_waits += 1
-        self._gpu.run_until(self._position)
+        marker = self.marker
+        if marker is not None:
+            self._gpu.run_until(lambda: marker.done)
 
 
 class LaggingGpu:
-    """A ``Transport`` whose device is host memory and whose queue runs up to ``max_lag`` ops late."""
+    """A ``Transport`` whose device memory is host memory and whose streams run late.
+
+    ``max_lag``: how many queued ops the device may hold back after each submission.
+    ``devices``: how many devices exist (the pool's is ``device_index``); each starts
+    with one stream, ``default``, as its current stream.
+    """
 
     pinned = True
     path = "simulated"
 
-    def __init__(self, max_lag: int = 8, seed: int = 0) -> None:
+    def __init__(self, max_lag: int = 8, seed: int = 0, *, devices: int = 1, device_index: int = 0) -> None:
         self.device = torch.device("cpu")
+        self.device_index = device_index
         self.max_lag = max_lag
-        self._rng = random.Random(seed)
-        self._queue: deque[Op] = deque()
-        self.enqueued = 0
-        self.executed = 0
+        self.rng = random.Random(seed)
+        self.streams: list[SimStream] = []
+        self.current_device = device_index
+        self._current: dict[int, SimStream] = {}
+        for index in range(devices):
+            self._current[index] = self.new_stream(f"default:{index}", device_index=index)
+        self._host_ranges: list[tuple[int, int]] = []
+        #: While True the device runs nothing on its own: only a host wait moves it.
+        self.frozen = False
+        self.pending = 0
         self.host_waits = 0
+        self.stream_waits = 0
         self.races: list[str] = []
         self.mismatches: list[str] = []
+        self.errors: list[str] = []
+        #: Every submitted call as (call, stream name), in host order: what a profiler shows.
+        self.calls: list[tuple[str, str]] = []
+
+    # -- streams and devices, as a CUDA program sees them -------------------------------
+    def new_stream(self, name: str, *, device_index: int | None = None) -> SimStream:
+        stream = SimStream(self, name, self.device_index if device_index is None else device_index)
+        self.streams.append(stream)
+        return stream
+
+    def set_current(self, stream: SimStream) -> None:
+        """Make ``stream`` its device's current stream (``torch.cuda.set_stream``)."""
+        self._current[stream.device_index] = stream
+
+    def current_stream(self, device_index: int | None = None) -> SimStream:
+        return self._current[self.current_device if device_index is None else device_index]
 
     # -- Transport ---------------------------------------------------------------------
     def alloc_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        self._host_ranges.append((host.data_ptr(), host.data_ptr() + nbytes))
+        return host
 
     def alloc_device(self, nbytes: int) -> torch.Tensor:
         return torch.full((nbytes,), 0xAB, dtype=torch.uint8)
@@ -65,34 +143,50 @@ class LaggingGpu:
     def new_fence(self) -> SimFence:
         return SimFence(self)
 
-    def check_stream(self, stream: Any) -> None:
-        return None
+    def resolve_stream(self, stream: SimStream | None) -> SimStream:
+        if stream is None:
+            return self._current[self.device_index]  # the pool's device, whatever device is current
+        if not isinstance(stream, SimStream) or stream.gpu is not self:
+            raise DeviceMismatchError(f"'stream' must be a SimStream of this LaggingGpu (got {stream!r})")
+        if stream.device_index != self.device_index:
+            raise DeviceMismatchError(
+                f"'stream' must be on the pool's device {self.device_index} (got one on {stream.device_index})"
+            )
+        return stream
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-        snapshot = src.clone()
-        index = self.enqueued
+    def same_stream(self, a: SimStream, b: SimStream) -> bool:
+        return a is b
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: SimStream) -> None:
+        to_host = self._is_host(dst)
+        pinned = dst if to_host else src
+        snapshot = pinned.clone()
+        label = f"copy on {stream.name}"
 
         def run() -> None:
-            if not torch.equal(src, snapshot):
-                self.races.append(f"copy #{index}: source rewritten while the copy was pending")
+            if not torch.equal(pinned, snapshot):
+                side = "destination" if to_host else "source"
+                self.races.append(f"{label}: pinned {side} rewritten by the host while the copy was pending")
             dst.copy_(src)
 
-        self._push(run)
+        self.submit(stream, run, "cudaMemcpyAsync")
 
-    def stream_wait(self, waiter: Any, fence: Any) -> None:
-        return None
+    def stream_wait(self, waiter: SimStream, fence: SimFence) -> None:
+        self.stream_waits += 1
+        self.submit(waiter, lambda: None, "cudaStreamWaitEvent", wait_for=fence.marker)
 
-    def fill(self, dst_device: torch.Tensor, byte: int, stream: Any) -> None:
-        def run() -> None:
-            dst_device.fill_(byte)
+    def fill(self, dst_device: torch.Tensor, byte: int, stream: SimStream) -> None:
+        self.submit(stream, lambda: dst_device.fill_(byte), "fill")
 
-        self._push(run)
-
-    # -- test hooks --------------------------------------------------------------------
+    # -- test hooks: kernels that read or write device memory --------------------------
     def enqueue_check(
-        self, device_view: torch.Tensor, expected: np.ndarray[Any, Any] | torch.Tensor, label: str
+        self,
+        device_view: torch.Tensor,
+        expected: np.ndarray[Any, Any] | torch.Tensor,
+        label: str,
+        stream: SimStream | None = None,
     ) -> None:
-        """Queue a "kernel" that reads ``device_view`` and compares it to ``expected``."""
+        """Queue a "kernel" on ``stream`` (default: the pool device's current) that reads ``device_view``."""
         want = torch.as_tensor(np.asarray(expected)) if not isinstance(expected, torch.Tensor) else expected.clone()
 
         def run() -> None:
@@ -101,25 +195,47 @@ class LaggingGpu:
                 held, expected = got.tolist()[:8], want.tolist()[:8]  # sync-ok: the simulated device is host memory
                 self.mismatches.append(f"{label}: device held {held}, expected {expected}")
 
-        self._push(run)
+        self.submit(self._target(stream), run, "kernel")
 
-    def run_until(self, position: int) -> None:
-        while self.executed < position:
-            self._step()
+    def enqueue_write(self, device_dst: torch.Tensor, values: torch.Tensor, stream: SimStream | None = None) -> None:
+        """Queue a "kernel" on ``stream`` that writes ``values`` into ``device_dst`` (a producer)."""
+        held = values.clone()
+        self.submit(self._target(stream), lambda: device_dst.copy_(held), "kernel")
+
+    def run_until(self, done: Callable[[], bool]) -> None:
+        while not done():
+            if not self._step():
+                raise RuntimeError("simulated device deadlock: no stream can make progress")
 
     def drain(self) -> None:
-        self.run_until(self.enqueued)
+        self.run_until(lambda: self.pending == 0)
 
     # -- internals ---------------------------------------------------------------------
-    def _push(self, op: Op) -> None:
-        self._queue.append(op)
-        self.enqueued += 1
-        # The GPU catches up to a random lag behind the host.
-        lag = self._rng.randint(0, self.max_lag)
-        while self.enqueued - self.executed > lag:
-            self._step()
+    def submit(self, stream: SimStream, op: Op, call: str, wait_for: _Marker | None = None) -> None:
+        if stream.device_index != self.device_index:
+            # CUDA rejects work for one device's event or memory on another device's stream.
+            self.errors.append(f"{call} on {stream!r} for a pool on device {self.device_index}")
+        self.calls.append((call, stream.name))
+        stream.queue.append((op, wait_for))
+        self.pending += 1
+        # The device catches up to a random lag behind the host, stream by stream.
+        lag = self.rng.randint(0, self.max_lag)
+        while not self.frozen and self.pending > lag and self._step():
+            pass
 
-    def _step(self) -> None:
-        op = self._queue.popleft()
+    def _step(self) -> bool:
+        runnable = [s for s in self.streams if s.queue and (s.queue[0][1] is None or s.queue[0][1].done)]
+        if not runnable:
+            return False
+        stream = runnable[0] if len(runnable) == 1 else self.rng.choices(runnable, [s.speed for s in runnable])[0]
+        op, _ = stream.queue.popleft()
         op()
-        self.executed += 1
+        self.pending -= 1
+        return True
+
+    def _target(self, stream: SimStream | None) -> SimStream:
+        return self._current[self.device_index] if stream is None else stream
+
+    def _is_host(self, t: torch.Tensor) -> bool:
+        ptr = t.data_ptr()
+        return any(lo <= ptr < hi for lo, hi in self._host_ranges)

@@ -2,9 +2,11 @@
 
 Values are written into the slot's pinned host region as they arrive; the matching
 device views are handed back at once, and the data lands there with the stage's single
-copy (issued by ``flush()`` or on exit). Device views of a ring stage stay valid until
-the slot is recycled ``num_slots`` stages later; ``is_live`` / ``check_live`` say
-whether that has happened.
+copy (issued by ``flush()`` or on exit), on the stream fixed when the stage opened.
+Device views of a ring stage stay valid for ``num_slots - 1`` further claims of the
+ring (stages, owned stages, read-backs, library calls' own stages: see
+``PinnedRingBuffer.claims``); ``is_live`` / ``check_live`` say whether the slot has
+been recycled since.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import torch
 
 from pinpool.encode import NUMPY_DTYPE, as_source, check_dtype, pack_int_list, write, write_list
 from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
-from pinpool.overflow import spill
 from pinpool.settings import OverflowPolicy
+from pinpool.slots import SlotLayout
 from pinpool.transport import Stream
 
 if TYPE_CHECKING:
@@ -29,27 +31,35 @@ if TYPE_CHECKING:
 _ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in [*NUMPY_DTYPE, torch.bfloat16]}
 _NUMPY_ITEMSIZE = {d: _ITEMSIZE[d] for d in NUMPY_DTYPE}
 _NESTED = (list, tuple, np.ndarray)
-_VIEW_CACHE_LIMIT = 256  # views per slot; a layout change past this starts a fresh cache
 
 
 class Stage:
-    """An open stage: ``put`` / ``reserve`` values, then one copy on exit."""
+    """An open stage: ``put`` / ``reserve`` values, then one copy on exit.
+
+    Example::
+
+        with pool.stage() as st:
+            temps = st.put([0.7, 1.0], torch.float32)   # device view, lands with the copy
+            host, dev = st.reserve(256, torch.int32)    # fill ``host`` in place before exit
+            host[:] = 7
+        # exit: one copy of the used bytes on ``st.stream``, then the slot's fence
+
+    ``st.stream`` is fixed when the stage opens; the copy, the fence and read-backs use
+    it wherever the stage is closed.
+    """
 
     __slots__ = (
         "_align",
         "_capacity",
         "_cursor",
-        "_device_views",
         "_end",
-        "_host_base",
-        "_host_bytes",
-        "_host_views",
+        "_layout",
         "_open",
-        "_owned_device",
         "_pool",
-        "_view_cache",
+        "copy_issued",
         "flushed",
         "generation",
+        "owned_device",
         "read_back",
         "slot",
         "spilled",
@@ -59,27 +69,23 @@ class Stage:
     def __init__(
         self,
         pool: PinnedRingBuffer,
+        layout: SlotLayout,
         slot: int,
         generation: int,
-        stream: Stream | None,
+        stream: Stream,
         owned_device: torch.Tensor | None,
     ) -> None:
         self._pool = pool
+        self._layout = layout
         self.slot = slot
         self.generation = generation
+        #: The stream this stage's copy, fence and read-backs go to, fixed at open.
         self.stream = stream
-        self._host_views = pool._host_views[slot]
-        self._host_bytes = pool._host_bytes
-        self._host_base = slot * pool.settings.slot_bytes
-        self._owned_device = owned_device
-        if owned_device is None:
-            self._device_views = pool._device_views[slot]
-            self._view_cache: dict[tuple[torch.dtype, int, int], torch.Tensor] | None = pool._view_cache[slot]
-            self._capacity = pool.settings.slot_bytes
-        else:
-            self._device_views = {}
-            self._view_cache = None
-            self._capacity = min(pool.settings.slot_bytes, owned_device.numel())
+        #: Consumer-owned device memory the copy lands in instead of the ring (rule 4).
+        self.owned_device = owned_device
+        self._capacity = (
+            pool.settings.slot_bytes if owned_device is None else min(pool.settings.slot_bytes, owned_device.numel())
+        )
         self._align = pool.settings.alignment
         self._cursor = 0
         self._end = 0
@@ -87,6 +93,8 @@ class Stage:
         self.flushed = False
         self.spilled = False
         self.read_back = False
+        #: True once a copy of this stage is queued: its fence must then be recorded.
+        self.copy_issued = False
 
     # -- context manager ---------------------------------------------------------------
     def __enter__(self) -> Stage:
@@ -95,11 +103,13 @@ class Stage:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._pool._finish(self, ok=exc_type is None)
+        self.close(ok=exc_type is None)
 
     def close(self, ok: bool = True) -> None:
         """Finish a stage opened without ``with``: copy (if ``ok``) and record the fence."""
-        self._pool._finish(self, ok=ok)
+        if self._open:
+            self._open = False
+            self._pool.finish_stage(self, ok)
 
     # -- staging -----------------------------------------------------------------------
     @property
@@ -108,7 +118,7 @@ class Stage:
 
     @property
     def owned(self) -> bool:
-        return self._owned_device is not None
+        return self.owned_device is not None
 
     def put(self, values: Any, dtype: torch.dtype | None = None, *, name: str = "values") -> torch.Tensor:
         """Write ``values`` into the slot and return the device tensor they will land in.
@@ -127,8 +137,9 @@ class Stage:
             end = start + numel * itemsize
             if end <= self._capacity:
                 first = start // itemsize
-                if not pack_int_list(self._host_bytes, self._host_base + start, values, dtype):
-                    write_list(self._host_views[dtype][first : first + numel], values, dtype, name)
+                layout = self._layout
+                if not pack_int_list(layout.host_bytes, layout.host_base + start, values, dtype):
+                    write_list(layout.host[dtype][first : first + numel], values, dtype, name)
                 device = self._device_view(dtype, first, numel)
                 self._end = end
                 align = self._align
@@ -172,13 +183,13 @@ class Stage:
         and exit, so a tensor whose address was staged outlives that kernel.
         """
         self._check_open()
-        self._pool._retained[self.slot].extend(objs)
+        self._pool.retain(self.slot, objs)
 
     def flush(self) -> None:
         """Issue the stage's one copy now, leaving the stage open for kernel launches."""
         if not self._open or self.flushed:
             self._check_open()  # raises
-        self._pool._copy(self)
+        self._pool.issue_copy(self)
         self.flushed = True
 
     def readback(self, src: torch.Tensor) -> Readback:
@@ -200,22 +211,22 @@ class Stage:
         offset = (self._cursor + align - 1) // align * align
         # The fence is recorded after this copy (and so after the stage's upload and every
         # kernel launched before): the stage's exit need not record it again.
-        handle = self._pool._copy_back(self.slot, self.generation, src, offset, self.stream)
+        handle = self._pool.copy_back(self.slot, self.generation, src, offset, self.stream)
         self._cursor = offset + src.numel() * src.element_size()
-        self.read_back = True
+        self.read_back = self.copy_issued = True
         return handle
 
     # -- lease -------------------------------------------------------------------------
     @property
     def is_live(self) -> bool:
         """False once the slot has been recycled: ring views then hold other data."""
-        return self.owned or self._pool._slot_generation[self.slot] == self.generation
+        return self.owned or self._pool.slot_generation(self.slot) == self.generation
 
     def check_live(self, what: str = "staged slice") -> None:
         if not self.is_live:
             raise StaleLeaseError(
                 f"{what} of stage {self.generation} (slot {self.slot}) was used after the slot was "
-                f"recycled by stage {self._pool._slot_generation[self.slot]}; use an owned stage "
+                f"recycled by claim {self._pool.slot_generation(self.slot)}; use an owned stage "
                 "(pool.stage(owned_bytes=...)) for data that outlives num_slots stages"
             )
 
@@ -233,33 +244,19 @@ class Stage:
         start = self._cursor
         if start + numel * itemsize > self._capacity:
             if self._pool.settings.overflow is OverflowPolicy.SPILL and src is not None:
-                return None, spill(self._pool, self, src, dtype, numel, name)
+                self.spilled = self.copy_issued = True
+                return None, self._pool.spill(self, src, dtype, numel, name)
             raise CapacityError(self._capacity_message(numel * itemsize, name))
         first = start // itemsize
-        host = self._host_views[dtype][first : first + numel]
-        return host, self._device_view(dtype, first, numel)
+        return self._layout.host_view(dtype, first, numel), self._device_view(dtype, first, numel)
 
     def _device_view(self, dtype: torch.dtype, first: int, numel: int) -> torch.Tensor:
-        if self._view_cache is None:
-            views = self._device_views.get(dtype)
-            return (views if views is not None else self._owned_view(dtype))[first : first + numel]
-        # A decode loop stages the same layout step after step: the view of (slot, dtype,
-        # offset, length) is the same memory every lap, so reuse the tensor object
-        # instead of paying torch's ~1 µs slicing per field.
-        key = (dtype, first, numel)
-        view = self._view_cache.get(key)
-        if view is None:
-            if len(self._view_cache) >= _VIEW_CACHE_LIMIT:
-                self._view_cache.clear()
-            view = self._view_cache[key] = self._device_views[dtype][first : first + numel]
-        return view
-
-    def _owned_view(self, dtype: torch.dtype) -> torch.Tensor:
-        assert self._owned_device is not None
+        owned = self.owned_device
+        if owned is None:
+            return self._layout.device_view(dtype, first, numel)
         itemsize = _ITEMSIZE[dtype]
-        usable = self._owned_device.numel() // itemsize * itemsize
-        view = self._device_views[dtype] = self._owned_device[:usable].view(dtype)
-        return view
+        usable = owned.numel() // itemsize * itemsize
+        return owned[:usable].view(dtype)[first : first + numel]
 
     def _commit_claim(self, numel: int, dtype: torch.dtype) -> None:
         self._end = self._cursor + numel * _ITEMSIZE[dtype]

@@ -1,27 +1,33 @@
-"""How bytes and fences move: the one seam between the ring's logic and a real GPU.
+"""How bytes and fences move: the one seam between the ring's rules and a device.
 
-The ring never calls CUDA directly. It asks a ``Transport`` for memory, fences and the
-one host-to-device copy per stage, so that the same ring logic runs on CUDA, on plain
-host memory (design invariant 7), and on ``pinpool.simulated.LaggingGpu`` in tests.
+The ring never calls CUDA itself. It asks a ``Transport`` for memory, fences, stream
+waits and copies, so the same rules run on CUDA (``CudaTransport``), on plain host
+memory (``HostTransport``, rule 7) and on the stream-aware simulator
+(``pinpool.simulated.LaggingGpu``) that the CPU tests drive. One class per path, so a
+test of a path exercises exactly it.
+
+Streams are explicit. ``resolve_stream`` turns "the one passed, or the device's current
+stream now" into a concrete stream once, when a stage or read-back opens; every later
+call for that operation carries it (README, rule 2). No method asks "what is current?"
+again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
-from pinpool import cudart
 from pinpool.exceptions import DeviceMismatchError
+from pinpool.sync_guard import refuse_explicit_sync
 
-Stream = Any  # torch.cuda.Stream on CUDA; an opaque token elsewhere.
+Stream = Any  # torch.cuda.Stream on CUDA, None on the host path, a SimStream in the simulator.
 
 
 class Fence(Protocol):
-    """A marker in a stream: done once the device has passed it."""
+    """A marker in one stream: passed once the device has run everything queued before it."""
 
-    def record(self, stream: Stream | None) -> None: ...
+    def record(self, stream: Stream) -> None: ...
 
     def query(self) -> bool: ...
 
@@ -29,12 +35,12 @@ class Fence(Protocol):
 
 
 class Transport(Protocol):
-    """Memory, fences and copies for one device."""
+    """Memory, fences, stream waits and copies for one device."""
 
     device: torch.device
     #: True when host memory is page-locked, so copies from it are truly asynchronous.
     pinned: bool
-    #: How copies and fences are made, for logs: "cudart", "torch", "host", "simulated".
+    #: How copies and fences are made, for logs: "torch", "host", "simulated".
     path: str
 
     def alloc_host(self, nbytes: int) -> torch.Tensor: ...
@@ -43,21 +49,27 @@ class Transport(Protocol):
 
     def new_fence(self) -> Fence: ...
 
-    def check_stream(self, stream: Stream) -> None: ...
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream | None) -> None:
-        """One stream-ordered copy of ``src`` into ``dst``: pinned host to device, or back."""
+    def resolve_stream(self, stream: Stream | None) -> Stream:
+        """``stream`` checked against the pool's device, or the device's current stream now."""
         ...
 
-    def stream_wait(self, waiter: Stream | None, fence: Fence) -> None: ...
+    def same_stream(self, a: Stream, b: Stream) -> bool: ...
 
-    def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream | None) -> None: ...
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
+        """One copy of ``src`` into ``dst`` on ``stream``: pinned host to device, or back."""
+        ...
+
+    def stream_wait(self, waiter: Stream, fence: Fence) -> None:
+        """Make ``waiter`` wait on the device for ``fence``: never a host wait."""
+        ...
+
+    def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream) -> None: ...
 
 
 class _NoFence:
-    """Host memory needs no fence: the copy is done when ``copy`` returns."""
+    """Host memory needs no fence: a copy is done when ``copy`` returns."""
 
-    def record(self, stream: Stream | None) -> None:
+    def record(self, stream: Stream) -> None:
         return None
 
     def query(self) -> bool:
@@ -68,7 +80,7 @@ class _NoFence:
 
 
 class HostTransport:
-    """Plain host memory and synchronous copies: CPU-only torch or ``device='cpu'``."""
+    """Plain host memory and synchronous copies: CPU-only torch or ``device='cpu'`` (rule 7)."""
 
     pinned = False
     path = "host"
@@ -85,139 +97,96 @@ class HostTransport:
     def new_fence(self) -> Fence:
         return _NoFence()
 
-    def check_stream(self, stream: Stream) -> None:
-        # Host copies run in program order: a stream here can only be a mistake (a CUDA
-        # stream handed to a CPU pool would otherwise be ignored silently).
-        raise DeviceMismatchError(
-            f"'stream' must be None for a pool on {self.device}, which copies synchronously (got {stream!r})"
-        )
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream | None) -> None:
-        dst.copy_(src)
-
-    def stream_wait(self, waiter: Stream | None, fence: Fence) -> None:
+    def resolve_stream(self, stream: Stream | None) -> Stream:
+        if stream is not None:
+            # Host copies run in program order: a stream here can only be a mistake (a CUDA
+            # stream handed to a CPU pool would otherwise be ignored silently).
+            raise DeviceMismatchError(
+                f"'stream' must be None for a pool on {self.device}, which copies synchronously (got {stream!r})"
+            )
         return None
 
-    def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream | None) -> None:
+    def same_stream(self, a: Stream, b: Stream) -> bool:
+        return True
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
+        dst.copy_(src)
+
+    def stream_wait(self, waiter: Stream, fence: Fence) -> None:
+        return None
+
+    def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream) -> None:
         dst_device.fill_(byte)
 
 
+def _no_cuda(*args: Any) -> Any:
+    raise DeviceMismatchError("this torch build has no CUDA: a CUDA pool cannot be used")
+
+
+# Raw bindings of the torch calls the hot path makes, looked up once. Each is one C call;
+# the public wrappers around them add a Python frame and a current-stream lookup each.
+_get_device = getattr(torch._C, "_cuda_getDevice", _no_cuda)
+_set_device = getattr(torch._C, "_cuda_setDevice", _no_cuda)
+# (stream_id, device_index, device_type) of a device's current stream.
+_current_stream_of = getattr(torch._C, "_cuda_getCurrentStream", _no_cuda)
+_event_base: Any = getattr(torch._C, "_CudaEventBase", None)
+_record = getattr(_event_base, "record", _no_cuda)
+_query = getattr(_event_base, "query", _no_cuda)
+_synchronize = getattr(_event_base, "synchronize", _no_cuda)
+
+
 class _CudaFence(torch.cuda.Event):
-    """A CUDA event whose ``record(None)`` finds the current stream cheaply.
+    """A CUDA event (timing off) that always runs under its pool's device.
 
-    ``torch.cuda.Event.record()`` with no stream calls ``torch.cuda.current_stream()``,
-    which costs more host time than the rest of a stage's bookkeeping (measured with
-    cProfile on an H200 host, torch 2.11).
+    ``record`` takes the stage's resolved stream, never "the current one". ATen guards
+    the device of a record; a query or a wait it leaves to the caller, so they switch to
+    the pool's device here when another device is current (rule 8).
     """
 
-    _transport: CudaTransport
+    index: int
 
-    def record(self, stream: Stream | None = None) -> None:
-        torch._C._CudaEventBase.record(self, self._transport.current_stream() if stream is None else stream)
-
-
-def _no_cuda_stream(index: int) -> int:
-    raise DeviceMismatchError(f"this torch build has no CUDA: there is no current stream on cuda:{index}")
-
-
-# The current cudaStream_t of a device, one C call (the hot path's way to find the stream).
-_current_raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", _no_cuda_stream)
-
-
-class _DirectFence:
-    """A CUDA event owned by the pool and driven through ``pinpool.cudart`` (no torch on the path).
-
-    Each record takes the transport's next sequence number. Work on one stream completes
-    in order, so once a fence is seen passed, every fence recorded earlier on the same
-    stream has passed too: ``query`` answers those from the transport's per-stream
-    watermark without a CUDA call. In a decode loop, reading step N's tokens thus also
-    clears the slot the next stage claims.
-    """
-
-    __slots__ = ("_passed", "_rt", "_seq", "_stream", "_transport", "handle")
-
-    def __init__(self, rt: cudart.Cudart, transport: CudaTransport) -> None:
-        self._rt = rt
-        self._transport = transport
-        self._passed = transport.passed
-        self.handle = rt.event_create()
-        self._seq = 0  # never recorded: reads as passed, as cudaEventQuery would say
-        self._stream = 0
-
-    def record(self, stream: Stream | None) -> None:
-        transport = self._transport
-        raw = _current_raw_stream(transport.index) if stream is None else stream.cuda_stream
-        rc = self._rt.record_raw(self.handle, raw)
-        if rc:
-            self._rt.fail(rc, "cudaEventRecord")
-        transport.records += 1
-        self._seq, self._stream = transport.records, raw
+    def record(self, stream: Stream = None) -> None:
+        _record(self, stream)
 
     def query(self) -> bool:
-        seq, passed = self._seq, self._passed
-        if seq <= passed.get(self._stream, 0):
-            return True
-        rc = self._rt.query_raw(self.handle)
-        if rc == cudart.SUCCESS:
-            passed[self._stream] = seq  # above the old watermark (checked just above)
-            return True
-        if rc != cudart.NOT_READY:
-            self._rt.fail(rc, "cudaEventQuery")
-        return False
+        previous = _get_device()
+        if previous == self.index:
+            return bool(_query(self))
+        _set_device(self.index)
+        try:
+            return bool(_query(self))
+        finally:
+            _set_device(previous)
 
     def synchronize(self) -> None:
-        seq, passed = self._seq, self._passed
-        if seq <= passed.get(self._stream, 0):
-            return
-        self._rt.event_synchronize(self.handle)  # sync-ok: refused inside no_sync(); callers query first
-        if seq > passed.get(self._stream, 0):
-            passed[self._stream] = seq
-
-    def __del__(self) -> None:
+        refuse_explicit_sync("a pool fence's synchronize()")
+        previous = _get_device()
+        if previous != self.index:
+            _set_device(self.index)
         try:
-            self._rt.event_destroy(self.handle)
-        except Exception:  # interpreter shutdown: the runtime may already be unloaded
-            return
+            _synchronize(self)  # sync-ok: callers wait only on a fence they queried as pending
+        finally:
+            if previous != self.index:
+                _set_device(previous)
 
 
 class CudaTransport:
-    """Pinned host memory, a device mirror, CUDA events and stream-ordered copies.
+    """Pinned host memory, a device mirror, CUDA events and stream-ordered copies, through torch.
 
-    With ``direct`` (the default) and torch's CUDA runtime found in the process, copies,
-    fences and stream waits call that runtime directly (``pinpool.cudart``: about half
-    the host time per stage); otherwise they go through torch. ``path`` says which.
+    Every call runs under the pool's device whatever device is current (rule 8): torch's
+    copy, record and stream-wait guard the device of their tensor or stream, and
+    ``_CudaFence`` guards the rest.
     """
 
     pinned = True
+    path = "torch"
 
-    def __init__(self, device: torch.device, *, direct: bool = True) -> None:
-        if device.type != "cuda":
-            raise DeviceMismatchError(f"'device' must be a CUDA device for CudaTransport (got {device})")
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda" or device.index is None:
+            raise DeviceMismatchError(f"'device' must be a CUDA device with an index (got {device})")
         self.device = device
-        self.index: int = device.index if device.index is not None else torch.cuda.current_device()
+        self.index: int = device.index
         self._current: torch.cuda.Stream | None = None
-        # Resolved only with a GPU present, so a transport can be built (and its checks
-        # tested) on a machine without one.
-        self._rt = cudart.load() if direct and torch.cuda.is_available() else None
-        self.path = "cudart" if self._rt is not None else "torch"
-        self.records = 0  # direct fence records so far: their sequence numbers
-        self.passed: dict[int, int] = {}  # cudaStream_t -> highest sequence number seen passed on it
-
-    def current_stream(self) -> torch.cuda.Stream:
-        """The device's current stream, as ``torch.cuda.current_stream`` but without its Python overhead."""
-        stream_id, index, device_type = torch._C._cuda_getCurrentStream(self.index)
-        cached = self._current
-        if cached is None or cached.stream_id != stream_id:
-            cached = self._current = torch.cuda.Stream(  # type: ignore[no-untyped-call]
-                stream_id=stream_id, device_index=index, device_type=device_type
-            )
-        return cached
-
-    def raw_stream(self, stream: Stream | None) -> int:
-        """The ``cudaStream_t`` of ``stream``, or of the device's current stream for None."""
-        if stream is None:
-            return int(_current_raw_stream(self.index))
-        return int(stream.cuda_stream)
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         # Pin on behalf of this device's context so that, on a multi-GPU host, the
@@ -229,54 +198,49 @@ class CudaTransport:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def new_fence(self) -> Fence:
-        with torch.cuda.device(self.device):  # an event belongs to the device current at creation
-            if self._rt is not None:
-                return _DirectFence(self._rt, self)
-            # Timing off: a timing event costs more to record and we never read times.
-            fence = _CudaFence(enable_timing=False)  # type: ignore[no-untyped-call]
-        fence._transport = self
+        fence = _CudaFence(enable_timing=False)  # type: ignore[no-untyped-call]
+        fence.index = self.index  # the event itself is created at its first record, on that stream's device
         return fence
 
-    def check_stream(self, stream: Stream) -> None:
+    def resolve_stream(self, stream: Stream | None) -> Stream:
+        if stream is None:
+            # The pool's device's current stream, not the current device's: with cuda:0
+            # current, a pool on cuda:1 still stages on cuda:1's stream.
+            stream_id, index, device_type = _current_stream_of(self.index)
+            cached = self._current
+            if cached is None or cached.stream_id != stream_id:
+                cached = self._current = torch.cuda.Stream(  # type: ignore[no-untyped-call]
+                    stream_id=stream_id, device_index=index, device_type=device_type
+                )
+            return cached
         if not isinstance(stream, torch.cuda.Stream):
             raise DeviceMismatchError(f"'stream' must be a torch.cuda.Stream (got {type(stream).__name__})")
-        if stream.device != self.device:
+        if stream.device_index != self.index:
             raise DeviceMismatchError(
-                f"'stream' must be on the pool's device {self.device} (got a stream on {stream.device}); "
+                f"'stream' must be on the pool's device {self.device} (got a stream on cuda:{stream.device_index}); "
                 "create one pool per device"
             )
+        return stream
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream | None) -> None:
-        """One stream-ordered copy between a pinned host range and device memory (either way).
+    def same_stream(self, a: Stream, b: Stream) -> bool:
+        return a is b or a.stream_id == b.stream_id
 
-        Both are contiguous and equally long (the ring only passes such pairs), so the
-        direct path is one ``cudaMemcpyAsync`` of ``src.nbytes`` (design invariant 3).
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
+        """One ``cudaMemcpyAsync`` of a contiguous range, on ``stream`` (rule 3).
+
+        torch queues a copy on the current stream of the CUDA tensor's device, under that
+        device's guard; switching streams is skipped when ``stream`` already is current.
         """
-        rt = self._rt
-        if rt is not None:
-            kind = cudart.HOST_TO_DEVICE if dst.is_cuda else cudart.DEVICE_TO_HOST
-            raw = _current_raw_stream(self.index) if stream is None else stream.cuda_stream
-            rc = rt.memcpy_raw(dst.data_ptr(), src.data_ptr(), src.nbytes, kind, raw)
-            if rc:
-                rt.fail(rc, "cudaMemcpyAsync")
-            return
-        if stream is None:
+        if _current_stream_of(self.index)[0] == stream.stream_id:
             dst.copy_(src, non_blocking=True)
             return
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
 
-    def stream_wait(self, waiter: Stream | None, fence: Fence) -> None:
-        if isinstance(fence, _DirectFence):
-            fence._rt.stream_wait_event(self.raw_stream(waiter), fence.handle)
-            return
-        target = self.current_stream() if waiter is None else waiter
-        target.wait_event(fence)  # type: ignore[arg-type]
+    def stream_wait(self, waiter: Stream, fence: Fence) -> None:
+        waiter.wait_event(fence)
 
-    def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream | None) -> None:
-        if stream is None:
-            dst_device.fill_(byte)
-            return
+    def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream) -> None:
         with torch.cuda.stream(stream):
             dst_device.fill_(byte)
 
@@ -292,11 +256,8 @@ def is_pin_memory_available(device: str | torch.device | None = None) -> bool:
     return torch.cuda.is_available()
 
 
-def transport_for(device: torch.device, *, direct: bool = True) -> Transport:
-    """The real transport for ``device``: CUDA when it can pin, plain host memory otherwise.
-
-    ``direct``: let the CUDA transport call torch's CUDA runtime itself (see ``CudaTransport``).
-    """
+def transport_for(device: torch.device) -> Transport:
+    """The real transport for ``device``: CUDA when it can pin, plain host memory otherwise."""
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise DeviceMismatchError(
@@ -306,5 +267,5 @@ def transport_for(device: torch.device, *, direct: bool = True) -> Transport:
             raise DeviceMismatchError(
                 f"'device' index must be < {torch.cuda.device_count()} visible CUDA devices (got {device})"
             )
-        return CudaTransport(device, direct=direct)
+        return CudaTransport(device)
     return HostTransport(device)

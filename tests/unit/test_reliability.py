@@ -33,7 +33,7 @@ def test_cuda_transport_refuses_what_is_not_a_cuda_stream() -> None:
     """Catches a foreign object passed as the staging stream of a CUDA pool."""
     transport = CudaTransport(torch.device("cuda", 0))  # constructing it touches no GPU
     with pytest.raises(DeviceMismatchError, match=r"'stream' must be a torch\.cuda\.Stream \(got object\)"):
-        transport.check_stream(object())
+        transport.resolve_stream(object())
 
 
 def test_owned_buffer_or_value_on_another_device_is_refused() -> None:
@@ -70,7 +70,7 @@ def test_write_cache_indices_recovers_after_a_refused_batch() -> None:
 def test_a_stage_that_fails_after_flush_still_fences_its_copy() -> None:
     """Catches a slot handed to the next stage while the failed stage's issued copy may still be pending."""
     gpu = LaggingGpu(max_lag=1000, seed=0)
-    gpu._rng.randint = lambda a, b: b  # type: ignore[method-assign]  # the GPU never catches up on its own
+    gpu.frozen = True  # the "GPU" never catches up on its own
     pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=256), transport=gpu)
     with pytest.raises(RuntimeError, match="model failed"), pool.stage() as st:
         view = st.put([1, 2, 3], torch.int64)

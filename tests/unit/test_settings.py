@@ -20,7 +20,7 @@ from pinpool import OverflowPolicy, PoolSettings, SettingsError
         ({"overflow": "grow"}, "'overflow' must be one of raise, spill (got 'grow')"),
         ({"device": "gpu:0"}, "'device' must name a torch device"),
         ({"debug": "yes"}, "'debug'"),
-        ({"cudart_direct": 1}, "'cudart_direct'"),
+        ({"log_stalls": 1}, "'log_stalls'"),
     ],
 )
 def test_each_rule_rejects_its_bad_value(kwargs: dict[str, object], fragment: str) -> None:
@@ -45,7 +45,6 @@ def test_from_env_reads_prefixed_variables_and_overrides_win() -> None:
         "PINPOOL_SLOT_BYTES": "0x1000",
         "PINPOOL_OVERFLOW": "spill",
         "PINPOOL_DEBUG": "on",
-        "PINPOOL_CUDART_DIRECT": "0",
         "UNRELATED": "1",
     }
     settings = PoolSettings.from_env(env, num_slots=3)
@@ -54,8 +53,7 @@ def test_from_env_reads_prefixed_variables_and_overrides_win() -> None:
     assert settings.slot_bytes == 4096
     assert settings.overflow is OverflowPolicy.SPILL
     assert settings.debug is True
-    assert settings.cudart_direct is False
-    assert PoolSettings.from_env({"PINPOOL_DEVICE": "cpu"}).cudart_direct is True
+    assert PoolSettings.from_env({"PINPOOL_DEVICE": "cpu"}).debug is False
 
 
 @pytest.mark.parametrize(("var", "value"), [("PINPOOL_NUM_SLOTS", "four"), ("PINPOOL_DEBUG", "maybe")])

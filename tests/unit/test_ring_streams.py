@@ -1,0 +1,266 @@
+"""The ring's stream and device rules against the stream-aware simulator.
+
+Each plan picks streams at random: the stream of each stage (passed, or the current one
+at open), the current stream at close, the reader of each staged slice (the stage's own
+stream or a registered consumer), the stream of each read-back, and the current device.
+The simulator runs every stream behind the host by its own random amount, so a rule
+that leans on "the GPU is probably done" shows up as a race or a wrong value.
+
+The controls plant the two bugs the rules exist for and must be caught:
+- case 1: the stream is not fixed at open (the fence follows the current stream at
+  close, so it can pass while the copy still waits on a lagging stream);
+- case 2: no hand-off when a slot changes stream (a reader still queued on the previous
+  stage's stream sees the next stage's values).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolSettings
+from pinpool.simulated import LaggingGpu, SimStream
+from pinpool.stage import Stage
+from pinpool.transport import Stream
+
+Read = tuple[int, Callable[[], None]]
+
+
+class NoHandOffRing(PinnedRingBuffer):
+    """Planted bug (case 2): a slot changes stream without the new stream waiting for the old."""
+
+    def _hand_off(self, slot: int, last: Stream, stream: Stream) -> None:
+        return None
+
+
+class StreamAtCloseRing(PinnedRingBuffer):
+    """Planted bug (case 1): the stage's stream is taken again at close, as "whatever is current"."""
+
+    def finish_stage(self, st: Stage, ok: bool) -> None:
+        st.stream = self._transport.resolve_stream(None)
+        super().finish_stage(st, ok)
+
+
+def run_plan(
+    ring: type[PinnedRingBuffer], seed: int, num_slots: int, max_lag: int, steps: int = 40
+) -> tuple[LaggingGpu, list[str]]:
+    """Run one random multi-stream plan; returns the simulator and read-back mismatches."""
+    rng = random.Random(seed)
+    gpu = LaggingGpu(max_lag=max_lag, seed=seed, devices=2)
+    streams: list[SimStream] = [gpu.current_stream(0)]
+    streams += [gpu.new_stream(f"s{i}") for i in range(1, rng.randint(2, 3) + 1)]
+    gpu.set_current(gpu.new_stream("other-device", device_index=1))
+    pool = ring(PoolSettings(device="cpu", num_slots=num_slots, slot_bytes=1024), transport=gpu)
+    consumers = rng.sample(streams, rng.randint(0, 2))
+    for consumer in consumers:
+        pool.register_consumer_stream(consumer)
+    reads: list[Read] = []
+    bad_readbacks: list[str] = []
+    for step in range(steps):
+        fire_due(reads, pool.claims)
+        gpu.current_device = rng.choice([0, 1])  # rule 8: the pool must not follow it
+        gpu.set_current(rng.choice(streams))
+        if rng.random() < 0.75:
+            stage_step(pool, gpu, rng, streams, consumers, reads, step)
+        else:
+            readback_step(pool, gpu, rng, streams, reads, bad_readbacks, step)
+    fire_due(reads, 1 << 60)
+    gpu.drain()
+    return gpu, bad_readbacks
+
+
+def fire_due(reads: list[Read], claims: int) -> None:
+    due = [r for r in reads if r[0] <= claims]
+    reads[:] = [r for r in reads if r[0] > claims]
+    for _, read in due:
+        read()
+
+
+def stage_step(
+    pool: PinnedRingBuffer,
+    gpu: LaggingGpu,
+    rng: random.Random,
+    streams: list[SimStream],
+    consumers: list[SimStream],
+    reads: list[Read],
+    step: int,
+) -> None:
+    staged: list[tuple[torch.Tensor, np.ndarray[Any, Any]]] = []
+    with pool.stage(stream=rng.choice(streams) if rng.random() < 0.5 else None) as stage:
+        for _ in range(rng.randint(0, 3)):
+            values = np.array([rng.randint(-(2**40), 2**40) for _ in range(rng.randint(1, 24))], dtype=np.int64)
+            staged.append((stage.put(values.tolist(), torch.int64), values))
+        if rng.random() < 0.3:
+            stage.flush()
+        gpu.set_current(rng.choice(streams))  # the current stream at close need not be the stage's
+    copied = gpu.new_fence()
+    copied.record(stage.stream)
+    limit = pool.claims + pool.settings.num_slots - 1  # rule 2's lifetime, in claims
+    for view, values in staged:
+        reader = rng.choice([stage.stream, *consumers])
+
+        def read(view: torch.Tensor = view, values: np.ndarray[Any, Any] = values, reader: SimStream = reader) -> None:
+            if reader is not stage.stream:
+                gpu.stream_wait(reader, copied)  # the consumer's own ordering after the copy
+            gpu.enqueue_check(view, values, f"step {step} read on {reader.name}", reader)
+
+        reads.append((rng.randint(pool.claims, limit), read))
+
+
+def readback_step(
+    pool: PinnedRingBuffer,
+    gpu: LaggingGpu,
+    rng: random.Random,
+    streams: list[SimStream],
+    reads: list[Read],
+    bad: list[str],
+    step: int,
+) -> None:
+    producer = rng.choice(streams)
+    src = torch.zeros(rng.randint(1, 16), dtype=torch.int64)
+    want = torch.tensor([rng.randint(0, 2**40) for _ in range(src.numel())], dtype=torch.int64)
+    gpu.enqueue_write(src, want, producer)
+    if rng.random() < 0.5:
+        handle = pool.readback(src, stream=producer)
+    else:
+        gpu.set_current(producer)
+        handle = pool.readback(src)
+    gpu.enqueue_write(src, want + 1, producer)  # the producer moves on: a late copy would see this
+
+    def read() -> None:
+        got = handle.values()
+        if not np.array_equal(got, want.numpy()):
+            bad.append(f"step {step}: read back {got[:4]}, expected {want[:4].tolist()}")
+
+    reads.append((rng.randint(pool.claims, pool.claims + pool.settings.num_slots - 1), read))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**20), num_slots=st.integers(2, 5), max_lag=st.integers(0, 30))
+def test_any_mix_of_streams_keeps_every_value_intact(seed: int, num_slots: int, max_lag: int) -> None:
+    """Catches a stage, reader or read-back on one stream that another stream's work overtakes."""
+    gpu, bad_readbacks = run_plan(PinnedRingBuffer, seed, num_slots, max_lag)
+    assert gpu.races == []
+    assert gpu.mismatches == []
+    assert bad_readbacks == []
+    assert gpu.errors == []
+
+
+def _failures(ring: type[PinnedRingBuffer]) -> list[str]:
+    found: list[str] = []
+    for seed in range(60):
+        gpu, bad = run_plan(ring, seed, num_slots=2 + seed % 3, max_lag=30)
+        found += gpu.races + gpu.mismatches + bad
+    return found
+
+
+def test_control_without_the_hand_off_a_reader_on_the_old_stream_sees_new_values() -> None:
+    """Catches a property test that cannot see case 2: it must fail once the hand-off is gone."""
+    found = _failures(NoHandOffRing)
+    assert any("expected" in f for f in found), "the plans never exposed a missing hand-off"
+
+
+def test_control_with_the_stream_taken_at_close_the_copy_races_its_slot() -> None:
+    """Catches a property test that cannot see case 1: it must fail once the stream is not fixed at open."""
+    found = _failures(StreamAtCloseRing)
+    assert any("rewritten by the host" in f for f in found), "the plans never exposed a fence on the wrong stream"
+
+
+# -- the rules, one at a time -------------------------------------------------------------
+def _pool(gpu: LaggingGpu, num_slots: int = 2) -> PinnedRingBuffer:
+    return PinnedRingBuffer(PoolSettings(device="cpu", num_slots=num_slots, slot_bytes=256), transport=gpu)
+
+
+def test_the_stream_is_fixed_at_open_whatever_is_current_at_close() -> None:
+    """Catches a copy or fence issued on the stream current at close instead of the stage's (case 1)."""
+    gpu = LaggingGpu(max_lag=0)
+    s1, s2 = gpu.new_stream("s1"), gpu.new_stream("s2")
+    pool = _pool(gpu)
+    gpu.set_current(s1)
+    with pool.stage() as stage:
+        stage.put([1, 2, 3], torch.int32)
+        gpu.set_current(s2)
+    assert stage.stream is s1
+    assert gpu.calls == [("cudaMemcpyAsync", "s1"), ("cudaEventRecord", "s1")]
+
+
+def test_a_change_of_stream_waits_on_the_device_for_the_slots_previous_stream() -> None:
+    """Catches case 2: the next user of a slot on another stream must wait for the old stream's queued work."""
+    gpu = LaggingGpu(max_lag=0)
+    s1, s2 = gpu.new_stream("s1"), gpu.new_stream("s2")
+    pool = _pool(gpu, num_slots=2)
+    for stream in (s1, s1):  # slots 0 and 1 used on s1
+        with pool.stage(stream=stream) as stage:
+            stage.put([1], torch.int32)
+    gpu.calls.clear()
+    with pool.stage(stream=s2) as stage:  # slot 0 again, now on s2
+        stage.put([2], torch.int32)
+    assert gpu.calls == [
+        ("cudaEventRecord", "s1"),  # the hand-off, recorded on the old stream at claim time
+        ("cudaStreamWaitEvent", "s2"),
+        ("cudaMemcpyAsync", "s2"),
+        ("cudaEventRecord", "s2"),
+    ]
+    assert gpu.host_waits == 0
+
+
+def test_a_stage_on_an_unchanged_stream_makes_no_extra_call() -> None:
+    """Catches a guard that costs CUDA calls when nothing changed: one copy and one record per stage."""
+    gpu = LaggingGpu(max_lag=3)
+    pool = _pool(gpu, num_slots=3)
+    for i in range(20):
+        with pool.stage() as stage:
+            stage.put([i], torch.int64)
+    assert gpu.calls == [("cudaMemcpyAsync", "default:0"), ("cudaEventRecord", "default:0")] * 20
+    assert gpu.stream_waits == 0
+
+
+def test_read_backs_follow_the_same_stream_rules() -> None:
+    """Catches a read-back that fences on the wrong stream or skips the hand-off on a change of stream."""
+    gpu = LaggingGpu(max_lag=0)
+    s1, s2 = gpu.new_stream("s1"), gpu.new_stream("s2")
+    pool = _pool(gpu, num_slots=2)
+    src = torch.arange(4, dtype=torch.int64)
+    gpu.set_current(s1)
+    pool.readback(src)
+    with pool.stage(stream=s1) as stage:
+        stage.put([1], torch.int32)
+    gpu.calls.clear()
+    gpu.set_current(s2)
+    pool.readback(src)  # slot 0 again, last used on s1
+    assert gpu.calls == [
+        ("cudaEventRecord", "s1"),
+        ("cudaStreamWaitEvent", "s2"),
+        ("cudaMemcpyAsync", "s2"),
+        ("cudaEventRecord", "s2"),
+    ]
+
+
+def test_another_current_device_does_not_move_the_pools_work() -> None:
+    """Catches rule 8: a pool that follows the current device stages on another device's stream."""
+    gpu = LaggingGpu(max_lag=2, devices=2)
+    gpu.set_current(gpu.new_stream("dev1-busy", device_index=1))
+    gpu.current_device = 1
+    pool = _pool(gpu)
+    with pool.stage() as stage:
+        view = stage.put([5, 6], torch.int32)
+    gpu.enqueue_check(view, np.array([5, 6], dtype=np.int32), "read", stage.stream)
+    gpu.drain()
+    assert stage.stream.device_index == 0
+    assert gpu.errors == [] and gpu.mismatches == []
+
+
+def test_a_stream_of_another_device_is_refused_before_anything_is_claimed() -> None:
+    """Catches a stage queued on another device's stream (CUDA's invalid resource handle, or worse)."""
+    gpu = LaggingGpu(devices=2)
+    pool = _pool(gpu)
+    with pytest.raises(DeviceMismatchError, match="'stream' must be on the pool's device 0"):
+        pool.stage(stream=gpu.new_stream("dev1", device_index=1))
+    assert pool.claims == 0 and gpu.calls == []
