@@ -22,7 +22,7 @@ from engine.readback import Pending, TokenReader
 from engine.requests import Request
 from engine.uploader import Mode, Uploader
 from memcache import ReqToTokenPool, TokenToKVPoolAllocator, allocate_extend, write_cache_indices
-from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool import PinnedRingBuffer, PoolSettings, Stage
 from sampling import Sampler, SamplingBatchInfo
 
 
@@ -213,29 +213,34 @@ class Engine:
         # The scheduler's lists are built outside the clock: every mode needs them, and
         # the clock is for what the modes do differently (moving them to the GPU).
         rows, positions = [r.row for r in reqs], [r.seq_len for r in reqs]
-        exchange = None
-        with self.staging("decode.upload"):
-            if self.mode == "pool":
-                # One slot for the step, both ways: the metadata up now, the tokens back
-                # after the sampler, one fence (Stage.readback).
-                exchange = self.pool.stage()
-                rows_d, positions_d = exchange.put(rows, torch.int64), exchange.put(positions, torch.int64)
-                exchange.flush()
-            else:
-                rows_d, positions_d = self.uploader.upload("step", [(rows, torch.int64), (positions, torch.int64)])
+        exchange: Stage | None = None
+        ok = False
+        # The exchange is opened inside the try: a failure anywhere after it (a put, a
+        # kernel launch) still closes it, and a flushed copy still gets its fence.
         try:
+            with self.staging("decode.upload"):
+                if self.mode == "pool":
+                    # One slot for the step, both ways: the metadata up now, the tokens back
+                    # after the sampler, one fence (Stage.readback).
+                    exchange = self.pool.stage()
+                    rows_d, positions_d = exchange.put(rows, torch.int64), exchange.put(positions, torch.int64)
+                    exchange.flush()
+                else:
+                    rows_d, positions_d = self.uploader.upload("step", [(rows, torch.int64), (positions, torch.int64)])
             self._launch_decode(reqs, bs, rows_d, positions_d, out_cache_loc)
-        except BaseException:
+            assert self.last_tokens is not None
+            with self.staging("decode.readback"):
+                if exchange is None:
+                    pending = self.reader.start(self.last_tokens)
+                else:
+                    handle = exchange.readback(self.last_tokens)
+                    exchange.close()
+                    pending = self.reader.wrap(handle)
+            ok = True
+            return pending
+        finally:
             if exchange is not None:
-                exchange.close(ok=False)
-            raise
-        assert self.last_tokens is not None
-        with self.staging("decode.readback"):
-            if exchange is None:
-                return self.reader.start(self.last_tokens)
-            handle = exchange.readback(self.last_tokens)
-            exchange.close()
-            return self.reader.wrap(handle)
+                exchange.close(ok=ok)  # a no-op after the close above
 
     def _launch_decode(
         self,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from memcache import CacheIndexError, ReqToTokenPool, write_cache_indices
-from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolSettings
+from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolSettings, PoolStateError
 from pinpool.simulated import LaggingGpu
 from pinpool.transport import CudaTransport
 
@@ -82,3 +82,34 @@ def test_a_stage_that_fails_after_flush_still_fences_its_copy() -> None:
             other.put([9, 9, 9], torch.int64)
     gpu.drain()
     assert gpu.races == [] and gpu.mismatches == []
+
+
+def test_a_pool_dropped_with_a_flushed_stage_open_waits_for_that_copy() -> None:
+    """Catches teardown freeing the slab while an open stage's flushed copy may still read it."""
+    import gc
+
+    gpu = LaggingGpu(max_lag=0)
+    gpu.frozen = True  # nothing runs unless the host waits
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=256), transport=gpu)
+    st = pool.stage()
+    st.put([1, 2, 3], torch.int32)
+    st.flush()
+    assert gpu.pending == 1
+    del st, pool
+    gc.collect()
+    assert gpu.pending == 0, "the pool was dropped with its copy still queued"
+    assert gpu.races == []
+
+
+def test_close_inside_an_open_stage_refuses_and_frees_nothing() -> None:
+    """Catches close() dropping memory that the open stage's copy will still read."""
+    gpu = LaggingGpu(max_lag=0)
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=256), transport=gpu)
+    with pool.stage() as st:
+        st.put([4], torch.int64)
+        st.flush()
+        with pytest.raises(PoolStateError, match="inside an open stage"):
+            pool.close()
+        assert not pool.closed
+    pool.close()
+    assert pool.closed and gpu.pending == 0
