@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from pinpool import PinnedRingBuffer
 from sampling import SamplingParams
 
 
@@ -48,6 +47,20 @@ class NeverPendingFence:
     def synchronize(self) -> None: ...
 
 
-def remove_fences(pool: PinnedRingBuffer) -> None:
-    """Planted bug for control tests: the ring reuses slots without waiting on any copy."""
-    pool._fences = [NeverPendingFence() for _ in pool._fences]  # type: ignore[misc]
+class UnfencedTransport:
+    """Planted bug for control tests: every fence reads as passed, so the ring reuses slots without waiting.
+
+    Wraps a real transport (``CudaTransport``, ``LaggingGpu``) and keeps its copies.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def new_fence(self) -> NeverPendingFence:
+        return NeverPendingFence()
+
+    def stream_wait(self, waiter: Any, fence: Any) -> None:
+        return None

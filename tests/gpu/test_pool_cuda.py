@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings, no_sync
-from tests.fakes import remove_fences
+from pinpool.transport import CudaTransport
+from tests.fakes import UnfencedTransport
 
 DEV = torch.device("cuda", 0)
 DTYPES = [torch.float32, torch.int32, torch.int64, torch.float16, torch.uint8, torch.bfloat16, torch.bool]
@@ -66,8 +67,9 @@ def test_1000_lagged_stages_arrive_exactly() -> None:
 
 def test_control_a_ring_without_fences_is_corrupted_under_lag() -> None:
     """Catches a lag set-up too weak to expose the race the fences prevent."""
-    pool = PinnedRingBuffer(PoolSettings(device=DEV, num_slots=2, slot_bytes=1 << 16))
-    remove_fences(pool)
+    pool = PinnedRingBuffer(
+        PoolSettings(device=DEV, num_slots=2, slot_bytes=1 << 16), transport=UnfencedTransport(CudaTransport(DEV))
+    )
     seen = []
     for step in range(60):
         torch.cuda._sleep(SLEEP_CYCLES)

@@ -63,19 +63,18 @@ def test_inverted_order_the_stage_on_an_idle_side_stream_does_not_wait_for_the_b
     """Catches a copy queued on the current stream instead of the stage's: a read on the side stream sees garbage."""
     pool = _pool()
     side = torch.cuda.Stream()
+    got = torch.empty(N, dtype=torch.int32, device="cuda:0")  # allocated now: a cudaMalloc later would sync
+    torch.cuda.synchronize()
     torch.cuda._sleep(LAG)  # the current stream is busy
     with pool.stage(stream=side) as st:
         view = st.put(list(range(N)), torch.int32)
     with torch.cuda.stream(side):
-        got = view.clone()
-    side.synchronize()
+        got.copy_(view)
+    values = pool.readback(got, stream=side).tolist()  # read-backs too: fenced on the side stream
     still_busy = not torch.cuda.current_stream().query()
-    assert torch.equal(got.cpu(), torch.arange(N, dtype=torch.int32))
-    assert still_busy, "the current stream finished first, so this run shows nothing about stream choice"
-    handle = pool.readback(got, stream=side)  # read-backs too: fenced on the side stream
-    assert handle.tolist() == list(range(N))
-    assert not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
+    assert values == list(range(N))
+    assert still_busy, "the current stream finished first, so this run shows nothing about stream choice"
 
 
 def _api_calls(fn: object) -> dict[str, int]:
@@ -104,8 +103,8 @@ def test_an_unchanged_stream_costs_no_extra_call_and_a_change_costs_one_wait() -
                 st.put([1] * 64, torch.int32)
 
     def alternating() -> None:
-        for i in range(20):
-            with pool.stage(stream=s1 if i % 2 else s2) as st:
+        for i in range(20):  # a lap of the 4 slots on one stream, the next lap on the other
+            with pool.stage(stream=s1 if (i // 4) % 2 else s2) as st:
                 st.put([1] * 64, torch.int32)
 
     steady = _api_calls(same)

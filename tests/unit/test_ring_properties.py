@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from pinpool import PinnedRingBuffer, PoolSettings
 from pinpool.simulated import LaggingGpu
-from tests.fakes import remove_fences
+from tests.fakes import UnfencedTransport
 
 DTYPES = [torch.float32, torch.int32, torch.int64, torch.float16, torch.uint8, torch.float64, torch.bool, torch.int8]
 
@@ -100,8 +100,7 @@ def test_no_race_and_every_value_arrives(plan: list[Any], num_slots: int, max_la
 def test_the_simulator_catches_a_ring_without_fences() -> None:
     """Catches a detector that cannot fail: an unguarded ring must show races (the design's 59/60)."""
     gpu = LaggingGpu(max_lag=40, seed=3)
-    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=4096), transport=gpu)
-    remove_fences(pool)
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=4096), transport=UnfencedTransport(gpu))
     plan = [([(torch.int32, 16, False)], "ok", 0)] * 60
     run_plan(pool, gpu, plan, seed=1)
     assert gpu.races, "an unguarded ring under lag must be caught"
