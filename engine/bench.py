@@ -7,6 +7,7 @@ counting pass of the same steps, syncs, copies and pinned allocations per decode
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import warnings
@@ -19,7 +20,7 @@ from engine.loop import Engine, EngineConfig
 from engine.model import ModelConfig
 from engine.requests import Request, Workload, make_requests
 from engine.uploader import MODES, Mode
-from pinpool.bench.kit import BenchContext, Table, host_allocs
+from pinpool.bench.kit import BenchContext, Spread, Table, host_allocs, ratio
 
 WARM_STEPS = 3
 
@@ -129,14 +130,21 @@ def _count(ctx: BenchContext, mode: Mode, running: int, gpu_work_us: float, cycl
     }
 
 
+SPREAD_KEYS = ("host_us", "staging_us", "wait_us", "gpu_us", "tokens_per_s")
+
+
 def _combine(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median over rounds of each figure; counts come from the first round's counting pass."""
+    """Each figure's spread over the rounds; counts come from the first round's counting pass."""
     first = results[0]
     if any(r["outputs"] != first["outputs"] for r in results):
         raise AssertionError("a mode's token streams changed between rounds of the same workload")
     out = dict(first)
-    for key in ("host_us", "staging_us", "wait_us", "gpu_us", "idle", "tokens_per_s"):
-        out[key] = statistics.median(r[key] for r in results)
+    for key in SPREAD_KEYS:
+        values = [r[key] for r in results if not math.isnan(r[key])]
+        out[key] = Spread.of(values) if values else None
+    for key in ("idle",):
+        values = [r[key] for r in results if not math.isnan(r[key])]
+        out[key] = statistics.median(values) if values else None
     return out
 
 
@@ -150,9 +158,6 @@ def workload(ctx: BenchContext) -> list[Table]:
     # 1 ms of GPU work is the issue's setting; 3 ms also clears the eager sampler's ~1 ms of
     # host launches, so that row is GPU-bound beyond doubt.
     runs = [(running, 0.0) for running in sizes] + ([(sizes[0], 1000.0), (sizes[0], 3000.0)] if cuda else [])
-    ctx.progress("decode loop warm-up: kernels compile once, outside the timings")
-    for mode in modes:
-        measure(ctx, mode, min(sizes), 6, 0.0, cycles, count=False)
     ctx.progress("decode loop warm-up (kernels compile once, outside the timings)")
     for mode in modes:
         measure(ctx, mode, min(sizes), 6, 0.0, cycles, count=False)
@@ -162,13 +167,13 @@ def workload(ctx: BenchContext) -> list[Table]:
         streams: dict[str, Any] = {}
         per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         # Modes interleave over rounds (order rotated each round), so a drift of the host
-        # during the run lands on every mode alike; each figure is the median over rounds.
+        # during the run lands on every mode alike.
         for r in range(rounds):
             for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
                 ctx.progress(f"decode loop running={running} gpu_work={work:.0f}us mode={mode} round={r + 1}/{rounds}")
                 per_mode[mode].append(measure(ctx, mode, running, steps, work, cycles, count=r == 0))
-        for mode in modes:
-            m = _combine(per_mode[mode])
+        combined = {mode: _combine(per_mode[mode]) for mode in modes}
+        for mode, m in combined.items():
             streams[mode] = m["outputs"]
             rows.append(
                 (
@@ -177,41 +182,36 @@ def workload(ctx: BenchContext) -> list[Table]:
                     m["staging_us"],
                     m["wait_us"],
                     m["gpu_us"],
-                    m["host_us"] / m["gpu_us"],
+                    ratio(m["host_us"], m["gpu_us"]),
                     m["idle"],
                     m["tokens_per_s"],
-                    m.get("syncs", float("nan")),
-                    m.get("copies", float("nan")),
-                    m.get("pinned_allocs", float("nan")),
+                    m.get("syncs"),  # the counting pass runs on CUDA only: None leaves the column out
+                    m.get("copies"),
+                    m.get("pinned_allocs"),
                 )
             )
-        same = all(streams[m] == streams["pool"] for m in modes)
-        pinned = next((r[2] for r in rows if r[0] == "pinned"), float("nan"))
-        pool = next(r[2] for r in rows if r[0] == "pool")
+        same = all(streams[m] == streams[modes[0]] for m in modes)
         notes = [
-            f"{running} running requests, {steps} new tokens each, seeded sampling; medians over decode steps "
-            f"after {WARM_STEPS} warm-up steps, then the median of {rounds} interleaved rounds per mode; token "
-            f"streams identical across modes: {same}",
-            (
-                f"staging µs = host time moving metadata (uploads, batch builds, filters, token read-back) per "
-                f"decode step, less GPU-wait µs (ring stalls, event waits and reads that blocked on the GPU; sync "
-                f"mode's waits inside torch.tensor cannot be split out); pool / pinned staging = {pool / pinned:.2f}"
-            ),
+            f"{running} running requests, {steps} new tokens each, seeded sampling; each figure: the median over "
+            f"decode steps after {WARM_STEPS} warm-up steps, then median (min-max) over {rounds} interleaved rounds "
+            f"per mode; token streams identical across modes: {same}",
+            "staging µs = host time moving metadata (uploads, batch builds, filters, token read-back) per decode "
+            "step, less GPU-wait µs (ring stalls, event waits and reads that blocked on the GPU; sync mode's waits "
+            "inside torch.tensor cannot be split out)",
         ]
+        if "pinned" in combined and "pool" in combined:
+            share = ratio(combined["pool"]["staging_us"], combined["pinned"]["staging_us"])
+            if share is not None:
+                notes[1] += f"; pool / pinned staging = {share:.2f} (medians)"
         if work:
             notes.append(
                 f"GPU-bound: the model is replaced by {work:.0f} µs of GPU sleep per step (torch.cuda._sleep, "
                 f"{cycles:.0f} cycles/µs) plus the sampler; step/GPU is the loop's overhead on top of the GPU time"
             )
-        else:
+        elif cuda:
             notes.append(
                 "tiny model in eager PyTorch: its ~80 kernel launches per step, not staging, set the step time; "
                 "GPU µs spans the step's launches, so when the host is the bottleneck step/GPU is near 1"
-            )
-        if not cuda:
-            notes.append(
-                "CPU run: no syncs, async copies, pinned memory or GPU time exist here; only host µs and "
-                "the identical-streams check mean anything"
             )
         title = f"decode loop: {running} running" + (f", {work:.0f} µs GPU work per step" if work else "")
         columns = (
@@ -227,5 +227,5 @@ def workload(ctx: BenchContext) -> list[Table]:
             "copies/step",
             "pinned allocs/step",
         )
-        tables.append(Table(title, columns, tuple(rows), tuple(notes)))
+        tables.append(Table.build(title, columns, rows, notes))
     return tables

@@ -8,7 +8,6 @@ per-field tensors (``sync``: a ``torch.tensor`` built on the device; ``pinned``:
 from __future__ import annotations
 
 import random
-import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings
-from pinpool.bench.kit import BenchContext, Table, host_allocs, host_us_per_call
+from pinpool.bench.kit import BenchContext, Spread, Table, host_allocs, host_us_spread, ratio
 from sampling.batch_info import SamplingBatchInfo
 from sampling.params import TOP_K_ALL, SamplingParams
 from sampling.sampler import Sampler
@@ -78,7 +77,7 @@ def per_field_build(batch: _Batch, pin: bool, sync: bool) -> tuple[Any, ...]:
     return temperatures, top_ps, top_ks, min_ps, seeds, flags
 
 
-def _launch_us(ctx: BenchContext, fn: Callable[[], Any], calls: int = 20) -> float:
+def _launch_us(ctx: BenchContext, fn: Callable[[], Any], calls: int = 20) -> Spread:
     """Host µs per call of launching ``fn`` (the GPU drained between blocks, not inside one).
 
     Short blocks keep the launch queue from filling, so this is the host's cost alone,
@@ -94,13 +93,19 @@ def _launch_us(ctx: BenchContext, fn: Callable[[], Any], calls: int = 20) -> flo
             fn()
         samples.append((time.perf_counter() - start) / calls * 1e6)
     ctx.synchronize()
-    return statistics.median(samples)
+    return Spread.of(samples)
+
+
+def _device_us(fn: Callable[[], Any]) -> Spread:
+    """Device µs per call: triton.testing.do_bench's min, median and max."""
+    from triton.testing import do_bench
+
+    low, mid, high = do_bench(fn, quantiles=[0.0, 0.5, 1.0])
+    return Spread(low * 1e3, mid * 1e3, high * 1e3)
 
 
 def draw_table(ctx: BenchContext) -> Table:
     """The deterministic draw: eager torch (about thirty launches) against one Triton kernel."""
-    from triton.testing import do_bench
-
     rows = []
     pool = PinnedRingBuffer(PoolSettings.from_env(device=ctx.device, num_slots=4, slot_bytes=1 << 20))
     for bs in (1, 64, 256):
@@ -114,21 +119,27 @@ def draw_table(ctx: BenchContext) -> Table:
         eager, fused = Sampler(use_kernel=False), Sampler()
         same = torch.equal(eager(logits, info, positions), fused(logits, info, positions))
         host = [_launch_us(ctx, partial(s, logits, info, positions)) for s in (eager, fused)]
-        device = [do_bench(partial(s, logits, info, positions), return_mode="median") * 1e3 for s in (eager, fused)]
-        rows.append((bs, host[0], host[1], host[0] / host[1], device[0], device[1], same))
+        device = [_device_us(partial(s, logits, info, positions)) for s in (eager, fused)]
+        rows.append((bs, host[0], host[1], ratio(host[0], host[1]), device[0], device[1], same))
     pool.close()
     notes = [
         f"Sampler with deterministic=True, vocab {VOCAB}, mixed top-p/top-k/min-p/greedy rows; host µs = launching "
-        "one call (blocks of 20, GPU drained between blocks); device µs = triton.testing.do_bench median",
+        "one call (blocks of 20, GPU drained between blocks), median (min-max) over the blocks; device µs = "
+        "triton.testing.do_bench median (min-max)",
         "same tokens = the kernel's tokens equal the eager path's on this batch",
     ]
     columns = ("bs", "eager host µs", "kernel host µs", "x host", "eager device µs", "kernel device µs", "same tokens")
-    return Table("sampler: deterministic draw, eager torch vs one kernel", columns, tuple(rows), tuple(notes))
+    return Table.build("sampler: deterministic draw, eager torch vs one kernel", columns, rows, notes)
+
+
+MODES = ("sync", "pinned", "pool", "owned")
 
 
 def workload(ctx: BenchContext) -> list[Table]:
     pool = PinnedRingBuffer(PoolSettings.from_env(device=ctx.device, num_slots=8, slot_bytes=1 << 20))
-    pin = ctx.is_cuda
+    pin = ctx.is_cuda  # on CPU "pinned" is the same per-field code without pinning, which does not exist there
+    modes = [m for m in MODES if m in ctx.modes]
+    base = "pinned" if "pinned" in modes else "sync"
     rows = []
     for bs in ctx.batch_sizes:
         ctx.progress(f"sampling bs={bs}")
@@ -136,41 +147,42 @@ def workload(ctx: BenchContext) -> list[Table]:
         build = SamplingBatchInfo.from_schedule_batch
         steps: dict[str, Callable[[], Any]] = {
             "sync": partial(per_field_build, batch, pin, sync=True),
+            "pinned": partial(per_field_build, batch, pin, sync=False),
             "pool": partial(build, batch, VOCAB, pool, deterministic=True),
             "owned": partial(build, batch, VOCAB, pool, owned=True, deterministic=True),
         }
-        if pin:
-            steps["pinned"] = partial(per_field_build, batch, pin, sync=False)
-        us, allocs = {}, {}
-        for mode, step in steps.items():
+        us: dict[str, Spread] = {}
+        allocs: dict[str, int] = {}
+        for mode in modes:
             before = host_allocs()
-            us[mode] = host_us_per_call(ctx, step)
+            us[mode] = host_us_spread(ctx, steps[mode])
             allocs[mode] = host_allocs() - before
-        base = us.get("pinned", us["sync"])
         rows.append(
             (
                 bs,
-                us["sync"],
-                us.get("pinned", float("nan")),
-                us["pool"],
-                us["owned"],
-                base / us["pool"],
-                base / us["owned"],
-                allocs.get("pinned", 0),
-                allocs["pool"],
+                *(us.get(m) for m in MODES),
+                ratio(us.get(base), us["pool"]),
+                ratio(us.get(base), us.get("owned")),
+                allocs.get("pinned") if pin else None,  # pinned allocations exist only on CUDA
+                allocs.get("pool") if pin else None,
             )
         )
     stats = pool.stats()
     pool.close()
     notes = [
-        f"host µs per batch build (5 fields + 4 flags), median of {ctx.repeats} blocks of {ctx.iters}; "
-        f"pool: {stats.copies} copies for {stats.stages} builds",
-        "x pool / x owned = pinned µs (sync µs on CPU) divided by the pool's; owned = copy into batch-owned memory",
+        f"host µs per batch build (5 fields + 4 flags): median (min-max) over {ctx.repeats} blocks of up to "
+        f"{ctx.iters}; pool: {stats.copies} copies for {stats.stages} builds",
+        f"{base}/pool and {base}/owned = ratios of the medians; owned = a pool stage copied into batch-owned memory",
     ]
-    if not pin:
-        notes.append("CPU run: no pinning or async copies here; figures show Python-side cost only")
-    columns = ("bs", "sync µs", "pinned µs", "pool µs", "owned µs", "x pool", "x owned", "pinned allocs", "pool allocs")
-    tables = [Table("sampling: host µs per SamplingBatchInfo build", columns, tuple(rows), tuple(notes))]
+    columns = (
+        "bs",
+        *(f"{m} µs" for m in MODES),
+        f"{base}/pool",
+        f"{base}/owned",
+        "pinned allocs",
+        "pool allocs",
+    )
+    tables = [Table.build("sampling: host µs per SamplingBatchInfo build", columns, rows, notes)]
     if ctx.is_cuda:  # the kernel path exists only on CUDA; on CPU the sampler is the torch reference
         tables.append(draw_table(ctx))
     return tables

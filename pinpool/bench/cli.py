@@ -1,8 +1,13 @@
-"""``pinpool``: the command line. ``pinpool bench`` runs every registered workload."""
+"""pinpool: the command line. pinpool bench runs every registered workload and prints its tables.
+
+Each figure is host µs per call (device µs where a column says so), shown as
+median (min-max) over the repeats. Progress lines and log events go to stderr; tables to stdout.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import sys
@@ -10,12 +15,25 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 
-import structlog
 import torch
 
-from pinpool.bench.kit import BenchContext, Table
+from pinpool.bench.kit import MODES, BenchContext, Table
+from pinpool.log import LOG_LEVEL_ENV, level_from_env, set_fallback_level
 
 Workload = Callable[[BenchContext], list[Table]]
+
+#: What each built-in workload measures (--help); a workload registered elsewhere shows its name alone.
+WORKLOAD_HELP = {
+    "staging": "five sampling-shaped fields per stage, every mode, per batch size",
+    "sampling": "SamplingBatchInfo builds per batch size; on CUDA also the sampler's eager draw vs one Triton kernel",
+    "memcache": "write_cache_indices per batch size; on CUDA also its Triton kernel vs sglang's (device µs)",
+    "decode": "the reference decode loop, every mode, per running-batch size; token streams compared across modes",
+}
+CPU_LINE = (
+    "CPU run: no pinned memory, async copies or GPU exist here, so every mode copies plain memory and these "
+    "figures show only Python-side host cost (the pool can come out slower); the comparison pinpool is for "
+    "needs a CUDA device."
+)
 
 
 def registered_workloads() -> dict[str, Workload]:
@@ -25,6 +43,10 @@ def registered_workloads() -> dict[str, Workload]:
 
         return {"staging": workload}
     return {name: ep.load() for name, ep in sorted(found.items())}
+
+
+def _workload_names() -> list[str]:
+    return sorted({ep.name for ep in entry_points(group="pinpool.bench")} or {"staging"})
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -37,42 +59,138 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pinpool", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="run the benchmarks on the device found (or --device)")
-    bench.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    bench.add_argument("--batch-sizes", type=_ints, default=(1, 64, 256, 1024, 4096), help="e.g. 1,64,256")
-    bench.add_argument("--iters", type=int, default=100, help="timed calls per block")
-    bench.add_argument(
-        "--repeats", type=int, default=3, help="blocks (decode loop: rounds per mode); the median is reported"
+_Formatter = argparse.RawDescriptionHelpFormatter  # keeps the epilog's lists; each help states its default
+DEFAULT_BATCH_SIZES = (1, 64, 256, 1024, 4096)
+
+
+def _epilog() -> str:
+    width = max(map(len, [*MODES, *WORKLOAD_HELP]))
+    workloads = "\n".join(f"  {w:{width}}  {WORKLOAD_HELP.get(w, '')}".rstrip() for w in _workload_names())
+    modes = "\n".join(f"  {m:{width}}  {what}" for m, what in MODES.items())
+    return (
+        f"workloads (registered through the pinpool.bench entry-point group):\n{workloads}\n\n"
+        f"modes (each workload runs the ones it has):\n{modes}\n\n"
+        f"environment:\n  {LOG_LEVEL_ENV}  level of pinpool's log events on stderr (debug, info, warning, error; "
+        "default warning)\n\n"
+        "examples:\n"
+        "  pinpool bench\n"
+        "  pinpool bench --workloads staging,sampling --batch-sizes 1,256 --repeats 5\n"
+        "  pinpool bench --json bench.json --plot bench.png   # --plot needs pip install 'pinpool[plot]'"
     )
-    bench.add_argument("--workloads", default=None, help="comma-separated subset of the registered workloads")
-    bench.add_argument("--modes", default="sync,pinned,persistent,pool", help="staging modes to compare")
-    bench.add_argument("--steps", type=int, default=None, help="decode loop: new tokens per request")
-    bench.add_argument("--running", type=_ints, default=None, help="decode loop: running-batch sizes, e.g. 64,256")
-    bench.add_argument("--json", type=Path, default=None, help="also write the tables as JSON to this file")
-    bench.add_argument("--plot", type=Path, default=None, help="draw host µs against batch size per mode (PNG)")
-    bench.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pinpool", description=__doc__, formatter_class=_Formatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser(
+        "bench",
+        help="run the benchmarks on the device found (or --device)",
+        description=__doc__,
+        epilog=_epilog(),
+        formatter_class=_Formatter,
+    )
+    bench.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    bench.add_argument(
+        "--batch-sizes",
+        type=_ints,
+        default=DEFAULT_BATCH_SIZES,
+        help=f"comma-separated batch sizes (default: {','.join(map(str, DEFAULT_BATCH_SIZES))})",
+    )
+    bench.add_argument(
+        "--iters",
+        type=int,
+        default=100,
+        help="timed calls per block, fewer when one block would pass 0.25 s (default: 100)",
+    )
+    bench.add_argument(
+        "--repeats", type=int, default=3, help="blocks per figure; decode loop: rounds per mode (default: 3)"
+    )
+    bench.add_argument(
+        "--workloads",
+        default=",".join(_workload_names()),
+        help="comma-separated subset of the workloads below (default: all)",
+    )
+    bench.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated subset of the modes below, including pool (default: all)",
+    )
+    bench.add_argument(
+        "--steps", type=int, default=None, help="decode loop: new tokens per request (default: 32 on CUDA, 12 on CPU)"
+    )
+    bench.add_argument(
+        "--running",
+        type=_ints,
+        default=None,
+        help="decode loop: running-batch sizes (default: 64,256 on CUDA, 8 on CPU)",
+    )
+    bench.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="also write the tables to this file as strict JSON (null where no figure)",
+    )
+    bench.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="also draw the figures into this PNG: a panel per batch-size table, one for the decode loop",
+    )
+    bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
+
+
+def _error(message: str) -> int:
+    print(f"pinpool bench: {message}", file=sys.stderr)
+    return 2
+
+
+def _plot_unavailable() -> str | None:
+    """Why --plot cannot work here, checked before any benchmark runs; None if it can."""
+    try:
+        found = importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    return (
+        f"--plot needs matplotlib, which {sys.executable} cannot import. Install it into this environment: "
+        f"{sys.executable} -m pip install 'pinpool[plot]' (in a source checkout: "
+        f"{sys.executable} -m pip install -e '.[plot]'), or leave out --plot"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Tables own stdout; the library's events go to stderr, warnings and up.
-    structlog.configure(
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-    )
-    device = torch.empty(0, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu")).device
+    try:
+        level = level_from_env(default=logging.WARNING)
+    except ValueError as exc:
+        return _error(str(exc))
+    # The command line is an application: it picks the level of pinpool's stderr events,
+    # and puts the previous one back for a caller that runs it in-process.
+    previous = set_fallback_level(level)
+    try:
+        return _bench(args)
+    finally:
+        set_fallback_level(previous)
+
+
+def _bench(args: argparse.Namespace) -> int:
     modes = tuple(m for m in args.modes.split(",") if m)
-    bad = [m for m in modes if m not in ("sync", "pinned", "persistent", "pool")]
+    bad = [m for m in modes if m not in MODES]
     if bad or "pool" not in modes:
-        print(
-            f"--modes must list modes of sync,pinned,persistent,pool and include pool (got {args.modes})",
-            file=sys.stderr,
-        )
-        return 2
+        return _error(f"--modes must list modes of {','.join(MODES)} and include pool (got {args.modes})")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None and not path.resolve().parent.is_dir():
+            return _error(f"{flag} {path}: the folder {path.resolve().parent} does not exist")
+    if args.plot is not None and (why := _plot_unavailable()):
+        return _error(why)
+    workloads = registered_workloads()
+    chosen = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in chosen if w not in workloads]
+    if unknown:
+        return _error(f"unknown workload(s) {unknown}; registered: {sorted(workloads)}")
+    device = torch.empty(0, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu")).device
     ctx = BenchContext(
         device,
         args.batch_sizes,
@@ -83,38 +201,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps=args.steps,
         running=args.running,
     )
-    workloads = registered_workloads()
-    chosen = list(workloads) if args.workloads is None else args.workloads.split(",")
-    unknown = [w for w in chosen if w not in workloads]
-    if unknown:
-        print(f"unknown workload(s) {unknown}; registered: {sorted(workloads)}", file=sys.stderr)
-        return 2
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"pinpool bench on {device} ({name}), torch {torch.__version__}")
-    tables: list[Table] = []
+    if device.type != "cuda":
+        print(CPU_LINE)
+    produced: dict[str, list[Table]] = {}
     failed = []
     for workload in chosen:
         try:
-            produced = workloads[workload](ctx)
+            produced[workload] = workloads[workload](ctx)
         except Exception as exc:  # one broken workload must not hide the others' figures
             failed.append(workload)
             print(f"== {workload}: FAILED: {type(exc).__name__}: {exc}", flush=True)
             continue
-        for table in produced:
-            tables.append(table)
+        for table in produced[workload]:
             print(table.render(), flush=True)
     if args.json is not None:
         payload = {
             "device": str(device),
             "device_name": name,
             "torch": torch.__version__,
-            "tables": [t.as_json() for t in tables],
+            "failed": failed,
+            "tables": [t.as_json() | {"workload": w} for w, tables in produced.items() for t in tables],
         }
-        args.json.write_text(json.dumps(payload, indent=2))
+        args.json.write_text(json.dumps(payload, indent=2, allow_nan=False))
     if args.plot is not None:
-        from pinpool.bench.plot import plot_tables
+        from pinpool.bench.plot import plot_workloads
 
-        plot_tables(tables, args.plot, f"{name}, torch {torch.__version__}")
+        plot_workloads(produced, args.plot, f"{name}, torch {torch.__version__}")
     return 1 if failed else 0
 
 

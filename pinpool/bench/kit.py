@@ -6,26 +6,48 @@ so sampling and memcache add theirs without pinpool importing them.
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
 import torch
 
+#: The staging modes ``pinpool bench`` compares, and what each one is.
+MODES: dict[str, str] = {
+    "sync": "torch.tensor(values, device=...) per field: a pageable copy that blocks the host",
+    "pinned": "torch.tensor(values, pin_memory=True).to(device, non_blocking=True) per field (sglang PR #28076)",
+    "persistent": "one pinned buffer per field, kept across steps; one event wait per step",
+    "pool": "a PinnedRingBuffer stage: every field into one slot, one copy",
+    "owned": "a pool stage copied into memory the batch owns (sampling only)",
+}
+
+#: A timed block stops early once it passes this many seconds (slow modes on slow hosts).
+BLOCK_SECONDS = 0.25
+
 
 @attrs.frozen
 class BenchContext:
+    """What a workload is asked to measure: device, sizes, repeats, modes.
+
+    Example, a workload's skeleton::
+
+        def workload(ctx: BenchContext) -> list[Table]:
+            rows = [(bs, host_us_spread(ctx, make_step(bs))) for bs in ctx.batch_sizes]
+            return [Table.build("mine: host µs per call", ("bs", "pool µs"), rows)]
+    """
+
     device: torch.device
     batch_sizes: tuple[int, ...]
     iters: int
     repeats: int = 3
     #: Print progress lines to stderr (long runs); tables go to stdout.
     verbose: bool = True
-    #: Staging modes to run (workloads skip the ones they cannot show on this device).
-    modes: tuple[str, ...] = ("sync", "pinned", "persistent", "pool")
+    #: Staging modes to run (each workload runs the ones it has).
+    modes: tuple[str, ...] = tuple(MODES)
     #: Decode-loop settings: new tokens per request and running-batch sizes (None: defaults).
     steps: int | None = None
     running: tuple[int, ...] | None = None
@@ -44,11 +66,66 @@ class BenchContext:
 
 
 @attrs.frozen
+class Spread:
+    """One figure over the repeats: min, median and max, shown together as ``median (min-max)``.
+
+    >>> Spread.of([12.0, 10.0, 15.5]).render()
+    '12.0 (10.0-15.5)'
+    """
+
+    min: float
+    median: float
+    max: float
+
+    @classmethod
+    def of(cls, samples: Iterable[float]) -> Spread:
+        values = list(samples)
+        return cls(min(values), statistics.median(values), max(values))
+
+    def render(self) -> str:
+        if self.min == self.max:
+            return _num(self.median)
+        return f"{_num(self.median)} ({_num(self.min)}-{_num(self.max)})"
+
+    def as_json(self) -> dict[str, float | None]:
+        return {"median": _finite(self.median), "min": _finite(self.min), "max": _finite(self.max)}
+
+
+Cell = Spread | float | int | str | bool | None
+
+
+@attrs.frozen
 class Table:
+    """One result table: a title, columns, rows of cells, notes.
+
+    Cells are ``Spread`` (rendered ``median (min-max)``, JSON ``{"median", "min", "max"}``),
+    numbers, strings, or ``None`` where a figure does not exist on this device (``-`` in
+    text, ``null`` in JSON). ``Table.build`` leaves out columns with no figure at all.
+
+    >>> print(Table.build("demo", ("bs", "pool µs", "GPU µs"), [(1, Spread(2.0, 2.5, 3.0), None)]).render())
+    == demo
+    bs           pool µs
+    --------------------
+     1  2.50 (2.00-3.00)
+    """
+
     title: str
     columns: tuple[str, ...]
-    rows: tuple[tuple[Any, ...], ...]
+    rows: tuple[tuple[Cell, ...], ...]
     notes: tuple[str, ...] = ()
+
+    @classmethod
+    def build(
+        cls, title: str, columns: Sequence[str], rows: Sequence[Sequence[Cell]], notes: Sequence[str] = ()
+    ) -> Table:
+        """A table without the columns where every row is ``None`` (GPU-only figures on CPU)."""
+        keep = [i for i in range(len(columns)) if any(_present(row[i]) for row in rows)] if rows else []
+        return cls(
+            title,
+            tuple(columns[i] for i in keep),
+            tuple(tuple(row[i] for i in keep) for row in rows),
+            tuple(notes),
+        )
 
     def render(self) -> str:
         cells = [[_fmt(v) for v in row] for row in self.rows]
@@ -60,41 +137,77 @@ class Table:
         return "\n".join(out)
 
     def as_json(self) -> dict[str, Any]:
+        """Plain JSON values only: no NaN or infinity (``null`` instead), spreads as objects."""
         return {
             "title": self.title,
             "notes": list(self.notes),
-            "rows": [dict(zip(self.columns, r, strict=True)) for r in self.rows],
+            "rows": [{c: _json(v) for c, v in zip(self.columns, r, strict=True)} for r in self.rows],
         }
 
+    def column(self, name: str) -> list[Cell]:
+        i = self.columns.index(name)
+        return [row[i] for row in self.rows]
 
-def _fmt(value: Any) -> str:
+
+def _present(value: Cell) -> bool:
+    return value is not None and not (isinstance(value, float) and not math.isfinite(value))
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _json(value: Cell) -> Any:
+    if isinstance(value, Spread):
+        return value.as_json()
     if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+        return _finite(value)
+    return value
+
+
+def _num(value: float) -> str:
+    if not math.isfinite(value):
+        return "-"
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}"
+
+
+def _fmt(value: Cell) -> str:
+    if isinstance(value, Spread):
+        return value.render()
+    if isinstance(value, bool) or value is None:
+        return "-" if value is None else str(value)
+    if isinstance(value, float):
+        return _num(value)
     return str(value)
 
 
-@attrs.frozen
-class Spread:
-    """Host µs per call over the repeats: every figure is shown with its spread, not alone."""
-
-    min: float
-    median: float
-    max: float
-
-    @classmethod
-    def of(cls, samples: list[float]) -> Spread:
-        return cls(min(samples), statistics.median(samples), max(samples))
+def ratio(num: Cell, den: Cell) -> float | None:
+    """``num / den`` of two figures' medians, or None where either is missing."""
+    a = num.median if isinstance(num, Spread) else num
+    b = den.median if isinstance(den, Spread) else den
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or not b:
+        return None
+    return float(a) / float(b)
 
 
 def host_us_spread(ctx: BenchContext, fn: Callable[[], Any], iters: int | None = None) -> Spread:
     """Host µs per call of ``fn`` in each of ``ctx.repeats`` blocks: min, median, max.
 
     Each block synchronises before reading the clock at both ends, so queued device work
-    from one block cannot hide in the next (one sync per block, amortised over iters).
+    from one block cannot hide in the next (one sync per block, amortised over iters). A
+    block holds ``iters`` calls, fewer (at least 3) when the warm-up says it would take
+    longer than ``BLOCK_SECONDS``.
     """
     n = iters or ctx.iters
-    for _ in range(max(3, n // 10)):
+    warm, start = 0, time.perf_counter()
+    while warm < max(3, n // 10) and (warm < 2 or time.perf_counter() - start < BLOCK_SECONDS):
         fn()
+        warm += 1
+    ctx.synchronize()
+    per_call = (time.perf_counter() - start) / warm
+    n = max(3, min(n, int(BLOCK_SECONDS / per_call) if per_call > 0 else n))
     samples = []
     for _ in range(ctx.repeats):
         ctx.synchronize()
@@ -104,11 +217,6 @@ def host_us_spread(ctx: BenchContext, fn: Callable[[], Any], iters: int | None =
         ctx.synchronize()
         samples.append((time.perf_counter() - start) / n * 1e6)
     return Spread.of(samples)
-
-
-def host_us_per_call(ctx: BenchContext, fn: Callable[[], Any], iters: int | None = None) -> float:
-    """The median of ``host_us_spread``."""
-    return host_us_spread(ctx, fn, iters).median
 
 
 def host_allocs() -> int:

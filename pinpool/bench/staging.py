@@ -3,7 +3,8 @@
 Patterns compared in one run, on the same Python lists:
 - ``sync``: a ``torch.tensor`` built straight on the device per field (pageable copy + stream sync);
 - ``pinned``: per field ``torch.tensor(list, pin_memory=True).to(non_blocking=True)``
-  (sglang PR #28076): no sync, one pinned allocation and one copy per field;
+  (sglang PR #28076): no sync, one pinned allocation and one copy per field (on CPU the
+  same code without pinning, which does not exist there);
 - ``persistent``: one persistent pinned buffer per field, one event wait per stage, one
   copy per field (the vLLM V1 runner's shape);
 - ``pool``: one ``PinnedRingBuffer`` stage: five puts, one copy.
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pinpool.bench.kit import BenchContext, Table, host_allocs, host_us_per_call
+from pinpool.bench.kit import BenchContext, Spread, Table, host_allocs, host_us_spread, ratio
 from pinpool.ring import PinnedRingBuffer
 from pinpool.settings import PoolSettings
 
@@ -79,33 +80,34 @@ def make_step(mode: str, bs: int, device: torch.device, pool: PinnedRingBuffer |
 
 def workload(ctx: BenchContext) -> list[Table]:
     pool = PinnedRingBuffer(PoolSettings.from_env(device=ctx.device, num_slots=8, slot_bytes=1 << 20))
-    modes = [m for m in MODES if m in ctx.modes and (ctx.is_cuda or m != "pinned")]
+    modes = [m for m in MODES if m in ctx.modes]
+    base = "pinned" if "pinned" in modes else "sync"
     rows = []
     for bs in ctx.batch_sizes:
         ctx.progress(f"staging bs={bs}")
-        us: dict[str, float] = {}
+        us: dict[str, Spread] = {}
         allocs: dict[str, int] = {}
         for mode in modes:
             step = make_step(mode, bs, ctx.device, pool)
             before = host_allocs()
-            us[mode] = host_us_per_call(ctx, step)
+            us[mode] = host_us_spread(ctx, step)
             allocs[mode] = host_allocs() - before
-        base = us.get("pinned", us.get("sync", float("nan")))
         rows.append(
-            (bs, *(us.get(m, float("nan")) for m in MODES), base / us["pool"], *(allocs.get(m, 0) for m in MODES))
+            (
+                bs,
+                *(us.get(m) for m in MODES),
+                ratio(us.get(base), us["pool"]),
+                # Pinned allocations exist only on CUDA: on CPU the columns are left out.
+                *(allocs.get(m) if ctx.is_cuda else None for m in MODES),
+            )
         )
     stats = pool.stats()
     pool.close()
     notes = [
-        f"host µs per stage of 5 fields {[str(d).removeprefix('torch.') for d in FIELDS]}, median of "
-        f"{ctx.repeats} blocks of {ctx.iters} stages; pool made {stats.copies} copies in {stats.stages} stages, "
+        f"host µs per stage of 5 fields {[str(d).removeprefix('torch.') for d in FIELDS]}: median (min-max) over "
+        f"{ctx.repeats} blocks of up to {ctx.iters} stages; pool made {stats.copies} copies in {stats.stages} stages, "
         f"{stats.stalls} stalls",
-        "speedup = pinned / pool (sync / pool on CPU); modes not run show nan",
+        f"{base}/pool = ratio of the medians",
     ]
-    if not ctx.is_cuda:
-        notes.append(
-            "CPU run: no pinning, no async copies and no host syncs exist here, so 'pinned' is skipped and these "
-            "figures show only Python-side cost; run on a CUDA device for the real comparison"
-        )
-    columns = ("bs", *(f"{m} µs" for m in MODES), "speedup", *(f"{m} allocs" for m in MODES))
-    return [Table("staging: host µs per stage", columns, tuple(rows), tuple(notes))]
+    columns = ("bs", *(f"{m} µs" for m in MODES), f"{base}/pool", *(f"{m} allocs" for m in MODES))
+    return [Table.build("staging: host µs per stage", columns, rows, notes)]

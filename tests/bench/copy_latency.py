@@ -1,6 +1,6 @@
 """Host µs of one async copy, by what is queued ahead of it (a diagnostic, not a test).
 
-python3 tests/gpu/copy_latency.py
+python3 tests/bench/copy_latency.py
 
 Answers: does a non-blocking host-to-device or device-to-host copy cost more host time
 when kernels are queued ahead of it on the stream, and does writing a pinned host buffer

@@ -1,6 +1,6 @@
 """Where a decode step's staging time goes, per site and mode (a diagnostic, not a test).
 
-python3 tests/gpu/decode_breakdown.py > $OUT/breakdown.txt
+python3 tests/bench/decode_breakdown.py > $OUT/breakdown.txt
 
 For each mode: median host µs per decode step at each staging site (step upload, token
 read-back, read of the previous step), in the loop as it runs, in the loop with the GPU
@@ -12,7 +12,6 @@ from __future__ import annotations
 import cProfile
 import io
 import logging
-import os
 import pstats
 import statistics
 import time
@@ -93,17 +92,13 @@ def main() -> None:
     for mode in MODES:  # warm-up: kernels compile once
         per_step(mode, 64, False, steps=8)
     print("running mode        variant   " + "  ".join(f"{s:>15}" for s in (*SITES, "wall")) + "   isolated upload")
-    # "pool-torch": the same pool with PINPOOL_CUDART_DIRECT=0, its copies and fences through torch.
-    variants = [(m, m, "1") for m in MODES] + [("pool-torch", "pool", "0")]
     for running in (64, 256):
-        for label, mode, direct in variants:
-            os.environ["PINPOOL_CUDART_DIRECT"] = direct
+        for mode in MODES:
             iso = isolated(mode, running)
             for drain in (False, True):
                 r = per_step(mode, running, drain)
                 cells = "  ".join(f"{r.get(s, float('nan')):15.1f}" for s in (*SITES, "wall"))
-                print(f"{running:7d} {label:11s} {'drained' if drain else 'loop':8s}  {cells}   {iso:8.1f}")
-    os.environ.pop("PINPOOL_CUDART_DIRECT")
+                print(f"{running:7d} {mode:11s} {'drained' if drain else 'loop':8s}  {cells}   {iso:8.1f}")
     print("\n######## cProfile, pool mode, 64 running, 40 steps\n" + profile_pool(64))
 
 

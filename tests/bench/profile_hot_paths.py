@@ -1,6 +1,6 @@
 """Where host time goes in the hot paths on a GPU machine (cProfile; a diagnostic, not a test).
 
-python3 tests/gpu/profile_hot_paths.py > $OUT/profile.txt
+python3 tests/bench/profile_hot_paths.py > $OUT/profile.txt
 """
 
 from __future__ import annotations

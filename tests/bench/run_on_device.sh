@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command for the lent GPU: GPU tests, unit tests and `pinpool bench`, in one call.
 # Logs go to $OUT (the device tool brings them back); the short summary table prints last.
-#   bash tests/gpu/run_on_device.sh [extra pinpool-bench flags]
+#   bash tests/bench/run_on_device.sh [extra pinpool-bench flags]
 set -uo pipefail
 source "$(dirname "$0")/setup_device.sh"
 export PYTHONUNBUFFERED=1
@@ -16,13 +16,15 @@ gpu_rc=${PIPESTATUS[0]}
 TRITON_INTERPRET=1 python3 -m pytest tests/unit -q -p no:cacheprovider 2>&1 | tee "$OUT/unit_tests.log" | tail -2
 unit_rc=${PIPESTATUS[0]}
 bench_start=$SECONDS
-python3 -m pinpool.bench.cli bench --json "$OUT/bench.json" --plot "$OUT/bench.png" "$@" 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
+# --plot only where matplotlib is installed: without it the bench refuses to start.
+plot=(); python3 -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/bench.png")
+python3 -m pinpool.bench.cli bench --json "$OUT/bench.json" "${plot[@]}" "$@" 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 bench_seconds=$((SECONDS - bench_start))
 soak_rc=skipped
 if [ -n "${PINPOOL_SOAK:-}" ]; then
   # PINPOOL_SOAK_ARGS, e.g. "--decode-steps 2000", shortens a soak for a quick re-check.
-  python3 tests/gpu/soak.py --json "$OUT/soak.json" ${PINPOOL_SOAK_ARGS:-} 2>&1 | tee "$OUT/soak.txt"
+  python3 tests/bench/soak.py --json "$OUT/soak.json" ${PINPOOL_SOAK_ARGS:-} 2>&1 | tee "$OUT/soak.txt"
   soak_rc=${PIPESTATUS[0]}
 fi
 two_rc=skipped
@@ -31,12 +33,12 @@ if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; t
   two_rc=${PIPESTATUS[0]}
 fi
 # Where a decode step's staging time goes, per site and mode (diagnostic; ~15 s).
-python3 tests/gpu/decode_breakdown.py >"$OUT/breakdown.txt" 2>&1
-if [ -n "${PINPOOL_PROFILE:-}" ]; then python3 tests/gpu/profile_hot_paths.py >"$OUT/profile.txt" 2>&1; fi
-# PINPOOL_DIAG="primitive_costs copy_latency": more diagnostics from tests/gpu, printed here.
+python3 tests/bench/decode_breakdown.py >"$OUT/breakdown.txt" 2>&1
+if [ -n "${PINPOOL_PROFILE:-}" ]; then python3 tests/bench/profile_hot_paths.py >"$OUT/profile.txt" 2>&1; fi
+# PINPOOL_DIAG="copy_latency": more diagnostics from tests/bench, printed here.
 for diag in ${PINPOOL_DIAG:-}; do
   echo "== $diag"
-  python3 "tests/gpu/$diag.py" 2>&1 | tee "$OUT/$diag.txt"
+  python3 "tests/bench/$diag.py" 2>&1 | tee "$OUT/$diag.txt"
 done
 echo
 echo "== summary ($(head -1 "$OUT/device.txt"), $(sed -n 2p "$OUT/device.txt"))"

@@ -6,7 +6,7 @@
 2. decode soak: the reference loop for M decode steps with requests joining and
    leaving, in pool mode and in sync mode; token streams compared, memory checked flat.
 
-    python3 tests/gpu/soak.py [--stages 100000] [--decode-steps 20000] [--json FILE]
+    python3 tests/bench/soak.py [--stages 100000] [--decode-steps 20000] [--json FILE]
 """
 
 from __future__ import annotations

@@ -1,34 +1,91 @@
-"""`pinpool bench` with tiny settings: exits 0, prints every workload's tables, writes valid JSON."""
+"""`pinpool bench` with tiny settings: every workload runs on CPU, JSON is strict, --plot fails early."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from pinpool.bench import cli
 from pinpool.bench.cli import main, registered_workloads
 
+TINY = ["bench", "--device", "cpu", "--batch-sizes", "1,3", "--iters", "3", "--repeats", "2", "--quiet"]
+DECODE = ["--steps", "4", "--running", "3"]
 
-def test_bench_runs_every_workload_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Catches a main job that crashes on a CPU-only machine or writes malformed JSON."""
-    out = tmp_path / "bench.json"
-    args = ["bench", "--device", "cpu", "--batch-sizes", "1,3", "--iters", "3", "--repeats", "1"]
-    code = main([*args, "--steps", "4", "--running", "3", "--json", str(out), "--quiet"])
-    assert code == 0
-    printed = capsys.readouterr().out
-    assert "CPU run" in printed
-    payload = json.loads(out.read_text())
+
+def _strict(text: str) -> Any:
+    def refuse(name: str) -> None:
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Any]:
+    """One tiny CPU run of every workload, shared by the tests that read its output."""
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    printed = io.StringIO()  # capsys is function-scoped: capture this module-wide run by hand
+    with contextlib.redirect_stdout(printed):
+        code = main([*TINY, *DECODE, "--json", str(out)])
+    return code, printed.getvalue(), _strict(out.read_text())
+
+
+def test_bench_runs_every_workload_on_cpu(bench_run: tuple[int, str, Any]) -> None:
+    """Catches a main job that crashes on a CPU-only machine or drops a workload's table."""
+    code, _, payload = bench_run
+    assert code == 0 and payload["failed"] == []
     assert payload["device"] == "cpu"
     titles = [t["title"] for t in payload["tables"]]
     for prefix in ("staging", "sampling", "memcache", "decode loop"):
         assert any(t.startswith(prefix) for t in titles), (prefix, titles)
-    staging = next(t for t in payload["tables"] if t["title"].startswith("staging"))
-    assert [row["bs"] for row in staging["rows"]] == [1, 3]
-    assert all(row["pool µs"] > 0 for row in staging["rows"])
     decode = next(t for t in payload["tables"] if t["title"].startswith("decode loop"))
     assert [row["mode"] for row in decode["rows"]] == ["sync", "pinned", "persistent", "pool"]
     assert "identical across modes: True" in decode["notes"][0]
+
+
+def test_cpu_run_says_what_is_meaningful_once_at_the_top(bench_run: tuple[int, str, Any]) -> None:
+    """Catches a CPU run that reads as "the pool is slower" with no word on what CPU figures mean."""
+    _, printed, _ = bench_run
+    lines = printed.splitlines()
+    assert lines[1] == cli.CPU_LINE
+    assert printed.count("CPU run") == 1
+
+
+def test_json_is_strict_with_spreads_and_no_gpu_only_columns(bench_run: tuple[int, str, Any]) -> None:
+    """Catches bare NaN in the JSON, figures without their spread, and GPU-only columns printed on CPU."""
+    _, printed, payload = bench_run
+    assert "nan" not in printed.lower()
+    staging = next(t for t in payload["tables"] if t["title"].startswith("staging"))
+    assert [row["bs"] for row in staging["rows"]] == [1, 3]
+    for row in staging["rows"]:
+        spread = row["pool µs"]
+        assert 0 < spread["min"] <= spread["median"] <= spread["max"]
+        assert "pool allocs" not in row  # pinned allocations exist only on CUDA
+    decode = next(t for t in payload["tables"] if t["title"].startswith("decode loop"))
+    assert not {"GPU µs", "GPU idle", "syncs/step"} & set(decode["rows"][0])
+
+
+def test_every_table_runs_the_same_modes(bench_run: tuple[int, str, Any]) -> None:
+    """Catches a mode ("pinned") shown in one CPU table and missing or NaN in the others."""
+    _, _, payload = bench_run
+    for title in ("staging", "sampling", "memcache"):
+        table = next(t for t in payload["tables"] if t["title"].startswith(title))
+        for row in table["rows"]:
+            for mode in ("sync", "pinned", "pool"):
+                assert isinstance(row[f"{mode} µs"], dict), (title, mode)
+
+
+def test_memcache_summary_counts_the_calls_it_timed(bench_run: tuple[int, str, Any]) -> None:
+    """Catches the summary "pool made 0 copies for 0 calls" printed after timing those calls."""
+    _, _, payload = bench_run
+    table = next(t for t in payload["tables"] if t["title"].startswith("memcache"))
+    assert "0 pool calls" not in table["notes"][0] and " pool calls timed" in table["notes"][0]
 
 
 def test_workloads_are_registered_through_entry_points() -> None:
@@ -36,9 +93,45 @@ def test_workloads_are_registered_through_entry_points() -> None:
     assert {"staging", "sampling", "memcache", "decode"} <= set(registered_workloads())
 
 
-def test_bad_flags_are_rejected() -> None:
-    """Catches a bench that silently ignores a malformed batch-size list or mode name."""
+def test_help_lists_workloads_modes_and_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """Catches a --help that names no workloads, modes or defaults, or shows RST markup."""
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = capsys.readouterr().out
+    for word in (
+        "staging",
+        "sampling",
+        "memcache",
+        "decode",
+        "persistent",
+        "owned",
+        "default: 100",
+        "PINPOOL_LOG_LEVEL",
+    ):
+        assert word in text, word
+    assert "``" not in text
+
+
+def test_bad_flags_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches a bench that silently ignores a malformed batch-size list, mode name or log level."""
     with pytest.raises(SystemExit):
         main(["bench", "--batch-sizes", "0,x"])
     assert main(["bench", "--device", "cpu", "--workloads", "nope", "--quiet"]) == 2
     assert main(["bench", "--device", "cpu", "--modes", "sync,turbo", "--quiet"]) == 2
+    monkeypatch.setenv("PINPOOL_LOG_LEVEL", "loud")
+    assert main(["bench", "--device", "cpu", "--workloads", "staging", "--quiet"]) == 2
+
+
+def test_plot_without_matplotlib_fails_before_any_work(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Catches --plot failing only after the whole bench ran, or suggesting a pip outside the environment."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a)
+    )
+    monkeypatch.setattr(cli, "registered_workloads", lambda: pytest.fail("a workload was loaded before the check"))
+    assert main([*TINY, "--plot", str(tmp_path / "bench.png")]) == 2
+    err = capsys.readouterr().err
+    assert "pinpool[plot]" in err and f"{sys.executable} -m pip install" in err
+    assert not (tmp_path / "bench.png").exists()
