@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run tests/gpu/run_on_device.sh on one)")
+    skip = pytest.mark.skip(reason="needs a CUDA device (bash tests/bench/run_on_device.sh runs these on one)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
