@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The one command for the lent GPU: GPU tests, unit tests and `pinpool bench`, in one call.
-# Logs go to $OUT (the device tool brings them back); the short summary table prints last.
+# Every log goes to $LOGS and comes back packed as $OUT/raw.tgz (the device tool returns at
+# most 8 files); bench.txt and summary.txt come back as they are. The short summary prints last.
 #   bash tests/bench/run_on_device.sh [extra pinpool-bench flags]
+# PINPOOL_SOAK=1 adds the soak; a carried .old/ (git archive of an earlier commit) adds the
+# regression check that the stream tests fail there; PINPOOL_DIAG="copy_latency" adds diagnostics.
 set -uo pipefail
 source "$(dirname "$0")/setup_device.sh"
 export PYTHONUNBUFFERED=1
@@ -9,44 +12,63 @@ export PYTHONUNBUFFERED=1
   date -u +"%Y-%m-%dT%H:%MZ"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
-} | tee "$OUT/device.txt"
-python3 -m pytest tests/gpu -q -p no:cacheprovider -rs --durations=8 2>&1 | tee "$OUT/gpu_tests.log"
+} | tee "$LOGS/device.txt"
+python3 -m pytest tests/gpu -q -p no:cacheprovider -rs --durations=8 2>&1 | tee "$LOGS/gpu_tests.log" | tail -25
 gpu_rc=${PIPESTATUS[0]}
 # Unit tests run the Triton kernels through the interpreter on CPU tensors, as CI does.
-TRITON_INTERPRET=1 python3 -m pytest tests/unit -q -p no:cacheprovider 2>&1 | tee "$OUT/unit_tests.log" | tail -2
+TRITON_INTERPRET=1 python3 -m pytest tests/unit -q -p no:cacheprovider 2>&1 | tee "$LOGS/unit_tests.log" | tail -2
 unit_rc=${PIPESTATUS[0]}
+old_rc=skipped
+if [ -d .old/pinpool ]; then
+  # The stream regression tests against the carried earlier code: each must fail there.
+  cp tests/gpu/test_streams_cuda.py .old/old_test_streams.py
+  (cd .old && python3 -m pytest -q -p no:cacheprovider -c /dev/null --rootdir=. old_test_streams.py \
+    -k "case1 or case2 or case3") >"$LOGS/old_code_streams.log" 2>&1
+  old_rc=$?
+  # The earlier code's own per-site breakdown, with its direct-cudart and torch rows (the A/B).
+  if [ -f .old/tests/gpu/decode_breakdown.py ]; then
+    (cd .old && PYTHONPATH=".:${PYTHONPATH:-}" python3 tests/gpu/decode_breakdown.py) >"$LOGS/old_code_breakdown.txt" 2>&1
+  fi
+fi
 bench_start=$SECONDS
 # --plot only where matplotlib is installed: without it the bench refuses to start.
 plot=(); python3 -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/bench.png")
-python3 -m pinpool.bench.cli bench --json "$OUT/bench.json" "${plot[@]}" "$@" 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
+python3 -m pinpool.bench.cli bench --json "$LOGS/bench.json" "${plot[@]}" "$@" 2>"$LOGS/bench.err" | tee "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 bench_seconds=$((SECONDS - bench_start))
 soak_rc=skipped
 if [ -n "${PINPOOL_SOAK:-}" ]; then
   # PINPOOL_SOAK_ARGS, e.g. "--decode-steps 2000", shortens a soak for a quick re-check.
-  python3 tests/bench/soak.py --json "$OUT/soak.json" ${PINPOOL_SOAK_ARGS:-} 2>&1 | tee "$OUT/soak.txt"
+  python3 tests/bench/soak.py --json "$LOGS/soak.json" ${PINPOOL_SOAK_ARGS:-} 2>&1 | tee "$LOGS/soak.txt" | tail -5
   soak_rc=${PIPESTATUS[0]}
 fi
 two_rc=skipped
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-  torchrun --nproc-per-node 2 -m engine.distributed 2>&1 | tee "$OUT/two_gpu.txt"
+  torchrun --nproc-per-node 2 -m engine.distributed 2>&1 | tee "$LOGS/two_gpu.txt" | tail -3
   two_rc=${PIPESTATUS[0]}
 fi
 # Where a decode step's staging time goes, per site and mode (diagnostic; ~15 s).
-python3 tests/bench/decode_breakdown.py >"$OUT/breakdown.txt" 2>&1
-if [ -n "${PINPOOL_PROFILE:-}" ]; then python3 tests/bench/profile_hot_paths.py >"$OUT/profile.txt" 2>&1; fi
-# PINPOOL_DIAG="copy_latency": more diagnostics from tests/bench, printed here.
+python3 tests/bench/decode_breakdown.py >"$LOGS/breakdown.txt" 2>&1
+if [ -n "${PINPOOL_PROFILE:-}" ]; then python3 tests/bench/profile_hot_paths.py >"$LOGS/profile.txt" 2>&1; fi
 for diag in ${PINPOOL_DIAG:-}; do
   echo "== $diag"
-  python3 "tests/bench/$diag.py" 2>&1 | tee "$OUT/$diag.txt"
+  python3 "tests/bench/$diag.py" 2>&1 | tee "$LOGS/$diag.txt"
 done
-echo
-echo "== summary ($(head -1 "$OUT/device.txt"), $(sed -n 2p "$OUT/device.txt"))"
-echo "gpu tests : rc=$gpu_rc  $(tail -1 "$OUT/gpu_tests.log")"
-echo "unit tests: rc=$unit_rc  $(tail -1 "$OUT/unit_tests.log")"
-echo "bench     : rc=$bench_rc  ${bench_seconds} s (tables above; JSON in bench.json, plot in bench.png)"
-echo "soak      : rc=$soak_rc  $(grep -h '^SOAK' "$OUT/soak.txt" 2>/dev/null)"
-echo "two GPUs  : rc=$two_rc  $(grep -h 'TWO-GPU CHECK' "$OUT/two_gpu.txt" 2>/dev/null)"
+old_line=skipped
+if [ "$old_rc" != skipped ]; then
+  old_line="rc=$old_rc  $(grep -cE '^FAILED' "$LOGS/old_code_streams.log") failed there, $(grep -cE 'passed' "$LOGS/old_code_streams.log") passing lines (each must fail)"
+fi
+{
+  echo
+  echo "== summary ($(head -1 "$LOGS/device.txt"), $(sed -n 2p "$LOGS/device.txt"))"
+  echo "gpu tests : rc=$gpu_rc  $(tail -1 "$LOGS/gpu_tests.log")"
+  echo "unit tests: rc=$unit_rc  $(tail -1 "$LOGS/unit_tests.log")"
+  echo "old code  : $old_line"
+  echo "bench     : rc=$bench_rc  ${bench_seconds} s (tables in bench.txt; JSON in raw.tgz)"
+  echo "soak      : rc=$soak_rc  $(grep -h '^SOAK' "$LOGS/soak.txt" 2>/dev/null)"
+  echo "two GPUs  : rc=$two_rc  $(grep -h 'TWO-GPU CHECK' "$LOGS/two_gpu.txt" 2>/dev/null)"
+} | tee "$OUT/summary.txt"
+tar czf "$OUT/raw.tgz" -C "$LOGS" .
 [ "$soak_rc" = skipped ] && soak_rc=0
 [ "$two_rc" = skipped ] && two_rc=0
 exit $(( gpu_rc || unit_rc || bench_rc || soak_rc || two_rc ))
