@@ -1,7 +1,8 @@
 """pinpool: a persistent pinned staging ring for per-step GPU metadata.
 
 One ``PinnedRingBuffer`` per worker and device. Each ``stage()`` claims a slot, takes
-values into pinned host memory, and lands them on the device with one asynchronous copy.
+values into pinned host memory, and lands them on the device with one asynchronous copy;
+``stage(zero_copy=True)`` lets kernels read the pinned slot in place instead.
 """
 
 from pinpool.exceptions import (
@@ -9,13 +10,16 @@ from pinpool.exceptions import (
     DeviceMismatchError,
     HostSyncError,
     PinpoolError,
+    PlatformError,
     PoolStateError,
     SettingsError,
     StagingTypeError,
     StagingValueError,
     StaleLeaseError,
     ThreadOwnershipError,
+    UnguardedReaderError,
 )
+from pinpool.platform import PlatformReport
 from pinpool.readback import Readback
 from pinpool.ring import PinnedRingBuffer
 from pinpool.settings import OverflowPolicy, PoolSettings
@@ -23,6 +27,7 @@ from pinpool.stage import Stage
 from pinpool.stats import PoolStats
 from pinpool.sync_guard import no_sync
 from pinpool.transport import is_pin_memory_available
+from pinpool.zero_copy import ZeroCopyStage
 
 __all__ = [
     "CapacityError",
@@ -31,6 +36,8 @@ __all__ = [
     "OverflowPolicy",
     "PinnedRingBuffer",
     "PinpoolError",
+    "PlatformError",
+    "PlatformReport",
     "PoolSettings",
     "PoolStateError",
     "PoolStats",
@@ -41,6 +48,8 @@ __all__ = [
     "StagingValueError",
     "StaleLeaseError",
     "ThreadOwnershipError",
+    "UnguardedReaderError",
+    "ZeroCopyStage",
     "is_pin_memory_available",
     "no_sync",
 ]

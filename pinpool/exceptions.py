@@ -46,3 +46,11 @@ class StaleLeaseError(PinpoolError, RuntimeError):
 
 class HostSyncError(PinpoolError, RuntimeError):
     """Code inside ``no_sync()`` made (or would make) the host wait on the GPU."""
+
+
+class PlatformError(PinpoolError, RuntimeError):
+    """Zero-copy staging was refused: the start-up platform check found the slab unfit for UVA reads."""
+
+
+class UnguardedReaderError(PinpoolError, RuntimeError):
+    """(debug) A zero-copy stage closed under a stream that is neither its own nor a registered consumer."""

@@ -11,6 +11,9 @@ The rules are the README's, numbered the same: 1 host reuse waits on the fence; 
 device region is rewritten only after its readers, on any stream; 3 one copy per stage;
 4 owned stages for data that outlives the ring; 5 ``retain``; 6 read-backs; 7 the host
 path; 8 every CUDA call under the pool's device (the transport's job).
+
+Zero-copy stages (zero_copy.py) share the slots and rule 1; their fence is recorded at
+close after the readers, and they never touch the device mirror (``finish_zero_copy``).
 """
 
 from __future__ import annotations
@@ -24,14 +27,21 @@ import numpy as np
 import torch
 
 from pinpool.encode import NUMPY_DTYPE, write
-from pinpool.exceptions import CapacityError, DeviceMismatchError, PoolStateError, ThreadOwnershipError
+from pinpool.exceptions import (
+    CapacityError,
+    DeviceMismatchError,
+    PoolStateError,
+    ThreadOwnershipError,
+)
 from pinpool.log import get_logger
+from pinpool.platform import PlatformReport
 from pinpool.readback import Readback
 from pinpool.settings import PoolSettings
 from pinpool.slots import BoundedCache, SlotLayout
 from pinpool.stage import Stage
 from pinpool.stats import Counters, PoolStats
 from pinpool.transport import Fence, Stream, Transport, transport_for
+from pinpool.zero_copy import ZeroCopyStage, refuse_unregistered_reader
 
 _log = get_logger("pinpool")
 _POISON_BYTE = 0xFF  # NaN in every float dtype, -1 in every signed int dtype
@@ -92,6 +102,19 @@ class PinnedRingBuffer:
             BoundedCache() for _ in range(num_slots)
         ]
         self._consumers: list[tuple[Stream, list[Fence]]] = []
+        #: The start-up platform check and, when it passed, each slot's layout whose device
+        #: views alias its pinned host region (UVA): built once, like the copy layouts.
+        self.platform = PlatformReport.unchecked()
+        self._zero_copy_layouts: list[SlotLayout] | None = None
+        if self.settings.zero_copy:
+            self.platform, alias = self._transport.check_zero_copy(self.host_slab)
+            if alias is not None and self.platform.zero_copy_ok:
+                self._zero_copy_layouts = [
+                    SlotLayout(
+                        layout.host_raw, alias[i * slot_bytes : (i + 1) * slot_bytes], host_bytes, i * slot_bytes
+                    )
+                    for i, layout in enumerate(self._layouts)
+                ]
         self._next_slot = 0
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._generation = 0
@@ -107,6 +130,7 @@ class PinnedRingBuffer:
             total_bytes=self.settings.total_bytes,
             pinned=self._transport.pinned,
             path=self._transport.path,
+            **self.platform.log_fields(),
         )
 
     # -- public API --------------------------------------------------------------------
@@ -128,7 +152,12 @@ class PinnedRingBuffer:
         return self._generation
 
     def stage(
-        self, *, stream: Stream | None = None, owned_bytes: int | None = None, owned: torch.Tensor | None = None
+        self,
+        *,
+        stream: Stream | None = None,
+        owned_bytes: int | None = None,
+        owned: torch.Tensor | None = None,
+        zero_copy: bool = False,
     ) -> Stage:
         """Open a stage in the next slot; use as ``with pool.stage() as st:``.
 
@@ -136,10 +165,15 @@ class PinnedRingBuffer:
         passed, or the pool device's current stream at this call, wherever the stage is
         closed (rule 2). ``owned_bytes`` / ``owned``: copy into consumer-owned device
         memory instead of the ring mirror (rule 4), for data that outlives the ring.
+        ``zero_copy``: no copy; the views alias the pinned slot and must be read by kernels
+        launched before the stage closes (``pinpool.zero_copy``; needs
+        ``PoolSettings(zero_copy=True)`` and a platform that passed its check).
         """
         if self._open is not None or self._closed or self.settings.debug:
             self._check_usable()  # raises, or (debug) checks the calling thread
         stream = self._transport.resolve_stream(stream)
+        if zero_copy:
+            return self._zero_copy_stage(stream, owned_bytes, owned)
         owned_device = None if owned_bytes is None and owned is None else self._owned_buffer(owned_bytes, owned)
         slot = self._claim(stream, writes_mirror=owned_device is None)
         st = Stage(self, self._layouts[slot], slot, self._generation, stream, owned_device)
@@ -176,7 +210,7 @@ class PinnedRingBuffer:
         _log.info("consumer.registered", device=str(self.device), consumers=len(self._consumers))
 
     def stats(self) -> PoolStats:
-        return PoolStats.of(self._counters)
+        return PoolStats.of(self._counters, self.platform)
 
     def close(self) -> None:
         """Wait for every in-flight copy, then drop the memory. A second call is a no-op.
@@ -200,7 +234,9 @@ class PinnedRingBuffer:
             return
         try:
             st = self._open
-            if st is not None and st.copy_issued:
+            if isinstance(st, ZeroCopyStage):
+                self._fence_readers(st)  # kernels may be reading its slot in place
+            elif st is not None and st.copy_issued:
                 self._fences[st.slot].record(st.stream)
             self._drain()
         except Exception:  # interpreter shutdown: the CUDA context may already be gone
@@ -269,6 +305,30 @@ class PinnedRingBuffer:
             counters.owned_stages += 1
         if not ok:
             counters.aborted_stages += 1
+
+    def finish_zero_copy(self, st: Stage, ok: bool) -> None:
+        """Close a zero-copy stage: no copy; the slot's fence after its readers (rule 1)."""
+        if self._open is not st:
+            return
+        self._open = None
+        counters = self._counters
+        if not (st.used_bytes or st.copy_issued):
+            # Nothing was put, so no kernel can be reading the slot: hand it on as it is.
+            if ok:
+                counters.stages += 1
+                counters.zero_copy_stages += 1
+            else:
+                counters.aborted_stages += 1
+            return
+        # Even an aborted stage is fenced: kernels launched before the error may read it.
+        self._fence_readers(st)
+        self._next_slot = (st.slot + 1) % self.settings.num_slots
+        counters.stages += 1
+        counters.zero_copy_stages += 1
+        if not ok:
+            counters.aborted_stages += 1
+        if self.settings.debug and ok:
+            refuse_unregistered_reader(self._transport, st, [consumer for consumer, _ in self._consumers])
 
     def copy_back(self, slot: int, generation: int, src: torch.Tensor, offset: int, stream: Stream) -> Readback:
         """One device-to-pinned copy of ``src`` into ``slot`` at ``offset`` on ``stream``, then the slot's fence."""
@@ -357,6 +417,45 @@ class PinnedRingBuffer:
         self._generation += 1
         self._slot_generation[slot] = self._generation
         return slot
+
+    def _zero_copy_stage(self, stream: Stream, owned_bytes: int | None, owned: torch.Tensor | None) -> Stage:
+        layouts = self._zero_copy_layouts
+        if layouts is None:
+            raise self.platform.refusal(self.device)  # PlatformError, or zero_copy not enabled
+        if owned_bytes is not None or owned is not None:
+            raise PoolStateError(
+                "pass either 'zero_copy=True' or 'owned'/'owned_bytes', not both: a zero-copy stage is read in "
+                "place from the ring"
+            )
+        slot = self._next_slot
+        fence = self._fences[slot]
+        # Rule 1: the host rewrites the slot in place, so everything that may still read or
+        # write it (a copy, a read-back, a previous zero-copy stage's readers) must be done.
+        if not fence.query():
+            self._stall(slot, fence)
+        if self._retained[slot]:
+            self._retained[slot].clear()
+        # Rule 2 does not apply: the device mirror is not written, so neither the hand-off
+        # nor the consumer guards run, and the slot's last mirror user stays on record for
+        # the next copy stage's hand-off.
+        self._generation += 1
+        self._slot_generation[slot] = self._generation
+        st = ZeroCopyStage(self, layouts[slot], slot, self._generation, stream, None)
+        self._open = st
+        return st
+
+    def _fence_readers(self, st: Stage) -> None:
+        """The fence of a zero-copy slot: after the readers on the stage's stream and on every consumer."""
+        transport, stream = self._transport, st.stream
+        for consumer, fences in self._consumers:
+            if transport.same_stream(consumer, stream):
+                continue
+            # A registered consumer's kernels read the slot in place: the stage's stream waits
+            # for the work queued there so far (on the device), so the slot fence after it
+            # covers them. The same device-side wait a copy stage makes at claim.
+            fences[st.slot].record(consumer)
+            transport.stream_wait(stream, fences[st.slot])
+        self._fences[st.slot].record(stream)
 
     def _hand_off(self, slot: int, last: Stream, stream: Stream) -> None:
         handoff = self._handoff[slot]

@@ -90,6 +90,11 @@ class PoolSettings:
     #: Log ``slot.stall`` for every host wait on a slot event (off by default: a lagging
     #: GPU would flood the log; the stats count stalls either way).
     log_stalls: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    #: Allow zero-copy stages (``pool.stage(zero_copy=True)``): kernels read the pinned slot
+    #: through its device address, no copy. Turning it on runs the platform check at pool
+    #: creation (one host sync, start-up only) and builds the slots' device aliases; off,
+    #: the pool costs exactly what it did before.
+    zero_copy: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
         if self.alignment < 8:
@@ -110,7 +115,7 @@ class PoolSettings:
 
         Read here and nowhere else: ``PINPOOL_DEVICE``, ``PINPOOL_SLOT_BYTES``,
         ``PINPOOL_NUM_SLOTS``, ``PINPOOL_ALIGNMENT``, ``PINPOOL_OVERFLOW``,
-        ``PINPOOL_DEBUG``, ``PINPOOL_LOG_STALLS``.
+        ``PINPOOL_DEBUG``, ``PINPOOL_LOG_STALLS``, ``PINPOOL_ZERO_COPY``.
         """
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}

@@ -5,6 +5,9 @@ It models what the ring's rules depend on:
   interleaving across streams, each falling behind the host by a random amount;
 - events recorded on a stream (``SimFence``): passed once that stream has run past them;
 - device-side stream waits: the waiting stream's later work starts only after the event;
+- zero-copy readers: a zero-copy stage's device views are the pinned host memory itself
+  here, so a queued "kernel" (``enqueue_check``) reads the host bytes when it *runs*, as a
+  kernel reading pinned memory through UVA does; a host write before it runs is seen;
 - a current stream per device and a current device, as CUDA has. A pool resolves "the
   current stream" of its own device; a copy or record handed a stream of another device
   is recorded as an error, as CUDA answers ``invalid resource handle``.
@@ -14,7 +17,8 @@ Failures are recorded, not raised, so a property test can report them:
   execution, or a device-to-host copy whose pinned destination the host wrote meanwhile
   (rule 1 broken);
 - ``mismatches``: a queued reader ("kernel") that found other values than the ones
-  staged (rule 2 broken: the region was overwritten before its reader ran);
+  staged (rule 2 broken: the region was overwritten before its reader ran; for a
+  zero-copy view, rule 1: the host rewrote the slot before its reader ran);
 - ``errors``: work handed to a stream of another device.
 """
 
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 
 from pinpool.exceptions import DeviceMismatchError
+from pinpool.platform import PlatformReport, in_place_report
 
 Op = Callable[[], object]
 
@@ -177,6 +182,11 @@ class LaggingGpu:
 
     def fill(self, dst_device: torch.Tensor, byte: int, stream: SimStream) -> None:
         self.submit(stream, lambda: dst_device.fill_(byte), "fill")
+
+    def check_zero_copy(self, host_slab: torch.Tensor) -> tuple[PlatformReport, torch.Tensor | None]:
+        # The simulated device reads host memory: a zero-copy view *is* the pinned slab, and
+        # a kernel queued on it reads whatever the host wrote there by the time it runs.
+        return in_place_report("the simulator"), host_slab
 
     # -- test hooks: kernels that read or write device memory --------------------------
     def enqueue_check(

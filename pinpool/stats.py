@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import attrs
 
+from pinpool.platform import PlatformReport
+
 
 @attrs.define
 class Counters:
@@ -24,6 +26,7 @@ class Counters:
     bytes_read_back: int = 0
     readback_waits: int = 0
     readback_wait_seconds: float = 0.0
+    zero_copy_stages: int = 0
 
 
 @attrs.frozen
@@ -35,6 +38,8 @@ class PoolStats:
     the pool allocated (one at construction, plus one per spilled put).
     ``readback_waits`` counts reads of a ``Readback`` whose copy had not landed yet: the
     deliberate host wait of a device-to-host read, which an overlapped loop keeps at 0.
+    ``zero_copy_stages`` counts stages read in place (no copy; also counted in ``stages``);
+    ``platform`` is the start-up check behind them (``PinnedRingBuffer.platform``).
     """
 
     stages: int
@@ -52,13 +57,18 @@ class PoolStats:
     bytes_read_back: int
     readback_waits: int
     readback_wait_seconds: float
+    zero_copy_stages: int = 0
+    platform: PlatformReport = attrs.field(factory=PlatformReport.unchecked)
 
     @classmethod
-    def of(cls, counters: Counters) -> PoolStats:
+    def of(cls, counters: Counters, platform: PlatformReport | None = None) -> PoolStats:
         # Plain getattr over a fixed field list: attrs.asdict costs ~10x more, and engines
         # read stats every step.
-        return cls(*[getattr(counters, name) for name in _FIELDS])
+        # (mypy cannot count the star-args, which stop before ``platform``.)
+        return cls(  # type: ignore[misc]
+            *[getattr(counters, name) for name in _FIELDS], platform=platform or PlatformReport.unchecked()
+        )
 
 
-_FIELDS = tuple(field.name for field in attrs.fields(PoolStats))
-assert tuple(field.name for field in attrs.fields(Counters)) == _FIELDS
+_FIELDS = tuple(field.name for field in attrs.fields(Counters))
+assert tuple(field.name for field in attrs.fields(PoolStats))[: len(_FIELDS)] == _FIELDS

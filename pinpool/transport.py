@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from pinpool.exceptions import DeviceMismatchError
+from pinpool.platform import PlatformReport, check_cuda, in_place_report
 from pinpool.sync_guard import refuse_explicit_sync
 
 Stream = Any  # torch.cuda.Stream on CUDA, None on the host path, a SimStream in the simulator.
@@ -64,6 +65,13 @@ class Transport(Protocol):
         ...
 
     def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream) -> None: ...
+
+    def check_zero_copy(self, host_slab: torch.Tensor) -> tuple[PlatformReport, torch.Tensor | None]:
+        """Whether kernels can read ``host_slab`` in place; when they can, its device-readable alias.
+
+        Called once, at the creation of a pool with ``PoolSettings(zero_copy=True)``.
+        """
+        ...
 
 
 class _NoFence:
@@ -117,6 +125,10 @@ class HostTransport:
 
     def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream) -> None:
         dst_device.fill_(byte)
+
+    def check_zero_copy(self, host_slab: torch.Tensor) -> tuple[PlatformReport, torch.Tensor | None]:
+        # Rule 7: "device" memory is host memory, so a zero-copy view is the slab itself.
+        return in_place_report("the host path"), host_slab
 
 
 def _no_cuda(*args: Any) -> Any:
@@ -243,6 +255,10 @@ class CudaTransport:
     def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream) -> None:
         with torch.cuda.stream(stream):
             dst_device.fill_(byte)
+
+    def check_zero_copy(self, host_slab: torch.Tensor) -> tuple[PlatformReport, torch.Tensor | None]:
+        """The start-up platform check (``pinpool.platform``): pinned, aliased, live; one host sync."""
+        return check_cuda(host_slab, self.device)
 
 
 def is_pin_memory_available(device: str | torch.device | None = None) -> bool:
