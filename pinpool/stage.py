@@ -244,8 +244,9 @@ class Stage:
         start = self._cursor
         if start + numel * itemsize > self._capacity:
             if self._pool.settings.overflow is OverflowPolicy.SPILL and src is not None:
+                device = self._pool.spill(self, src, dtype, numel, name)  # raises before queueing on bad values
                 self.spilled = self.copy_issued = True
-                return None, self._pool.spill(self, src, dtype, numel, name)
+                return None, device
             raise CapacityError(self._capacity_message(numel * itemsize, name))
         first = start // itemsize
         return self._layout.host_view(dtype, first, numel), self._device_view(dtype, first, numel)
