@@ -45,7 +45,6 @@ from pinpool.zero_copy import ZeroCopyStage, refuse_unregistered_reader
 
 _log = get_logger("pinpool")
 _POISON_BYTE = 0xFF  # NaN in every float dtype, -1 in every signed int dtype
-_UNUSED = object()  # a slot's last stream before any user
 
 
 class PinnedRingBuffer:
@@ -91,7 +90,10 @@ class PinnedRingBuffer:
         # user and a hand-off fence for a change of stream (rule 2), its generation, and
         # what must outlive its next fence (rule 5).
         self._fences: list[Fence] = [self._transport.new_fence() for _ in range(num_slots)]
-        self._last_stream: list[Stream] = [_UNUSED] * num_slots
+        # The mirror came from the caching allocator on the stream current now, which may
+        # still have work queued on memory the block held before: that stream is every
+        # slot's first "previous user", so a first stage on another stream waits for it.
+        self._last_stream: list[Stream] = [self._transport.resolve_stream(None)] * num_slots
         self._handoff: list[Fence] = [self._transport.new_fence() for _ in range(num_slots)]
         self._slot_generation = [0] * num_slots
         self._retained: list[list[Any]] = [[] for _ in range(num_slots)]
@@ -174,7 +176,7 @@ class PinnedRingBuffer:
         stream = self._transport.resolve_stream(stream)
         if zero_copy:
             return self._zero_copy_stage(stream, owned_bytes, owned)
-        owned_device = None if owned_bytes is None and owned is None else self._owned_buffer(owned_bytes, owned)
+        owned_device = None if owned_bytes is None and owned is None else self._owned_buffer(owned_bytes, owned, stream)
         slot = self._claim(stream, writes_mirror=owned_device is None)
         st = Stage(self, self._layouts[slot], slot, self._generation, stream, owned_device)
         self._open = st
@@ -372,7 +374,7 @@ class PinnedRingBuffer:
         transport = self._transport
         host = transport.alloc_host(nbytes)
         write(host.numpy().view(NUMPY_DTYPE[dtype]) if dtype in NUMPY_DTYPE else host.view(dtype), src, dtype, name)
-        device = transport.alloc_device(nbytes)
+        device = transport.alloc_device(nbytes, st.stream)  # from the pool of the stream that writes it
         transport.copy(device, host, st.stream)
         # The one-off pinned buffer must outlive its copy: the slot's fence, recorded when
         # the stage closes, covers this copy too.
@@ -405,7 +407,7 @@ class PinnedRingBuffer:
             # Rule 5: the fence has passed, so the kernels that read these are done.
             self._retained[slot].clear()
         last = self._last_stream[slot]
-        if last is not stream and last is not _UNUSED and not self._transport.same_stream(last, stream):
+        if last is not stream and not self._transport.same_stream(last, stream):
             # Rule 2, change of stream: work queued on the slot's previous user's stream
             # (its copy, and kernels reading its slices there) must finish before this
             # stream touches the slot. An event recorded there now covers all of it; the
@@ -476,10 +478,25 @@ class PinnedRingBuffer:
             transport.fill(self._layouts[slot].device_raw, _POISON_BYTE, stream)
 
     def _drain(self) -> None:
-        fences = [*self._fences, *self._handoff, *(f for _, group in self._consumers for f in group)]
+        """Wait for everything that may still read or write the pool's memory: teardown only.
+
+        The slot fences cover the copies; kernels reading staged slices may sit later on
+        the stages' streams (rule 2 allows it) or on consumer streams, so a fresh fence is
+        recorded at the end of each of those streams too.
+        """
+        transport = self._transport
+        streams: list[Stream] = []
+        for stream in [*self._last_stream, *(c for c, _ in self._consumers)]:
+            if not any(transport.same_stream(stream, seen) for seen in streams):
+                streams.append(stream)
+        fences = list(self._fences)
+        for stream in streams:
+            fence = transport.new_fence()
+            fence.record(stream)
+            fences.append(fence)
         for fence in fences:
             if not fence.query():
-                fence.synchronize()  # sync-ok: teardown, once per pool; copies must finish before free
+                fence.synchronize()  # sync-ok: teardown, once per pool; nothing is freed under queued work
 
     def _check_readback_src(self, src: torch.Tensor, offset: int) -> int:
         """Bytes of ``src`` once it is known to be a readable device tensor that fits at ``offset``."""
@@ -524,7 +541,7 @@ class PinnedRingBuffer:
                 f"(owner {self._owner_thread}, caller {threading.get_ident()}); create one pool per worker"
             )
 
-    def _owned_buffer(self, owned_bytes: int | None, owned: torch.Tensor | None) -> torch.Tensor | None:
+    def _owned_buffer(self, owned_bytes: int | None, owned: torch.Tensor | None, stream: Stream) -> torch.Tensor | None:
         if owned is not None:
             if owned_bytes is not None:
                 raise PoolStateError("pass either 'owned' or 'owned_bytes', not both")
@@ -541,7 +558,9 @@ class PinnedRingBuffer:
             raise PoolStateError(f"'owned_bytes' must be an int >= 1 (got {owned_bytes!r})")
         align = self.settings.alignment
         self._counters.device_allocations += 1
-        return self._transport.alloc_device((owned_bytes + align - 1) // align * align)
+        # Allocated for the stage's stream, which writes it: a block taken from the current
+        # stream's pool could still be read there by work queued before it was freed.
+        return self._transport.alloc_device((owned_bytes + align - 1) // align * align, stream)
 
     def _stall(self, slot: int, fence: Fence) -> None:
         start = time.perf_counter()

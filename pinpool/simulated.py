@@ -142,7 +142,7 @@ class LaggingGpu:
         self._host_ranges.append((host.data_ptr(), host.data_ptr() + nbytes))
         return host
 
-    def alloc_device(self, nbytes: int) -> torch.Tensor:
+    def alloc_device(self, nbytes: int, stream: SimStream | None = None) -> torch.Tensor:
         return torch.full((nbytes,), 0xAB, dtype=torch.uint8)
 
     def new_fence(self) -> SimFence:

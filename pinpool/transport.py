@@ -46,7 +46,9 @@ class Transport(Protocol):
 
     def alloc_host(self, nbytes: int) -> torch.Tensor: ...
 
-    def alloc_device(self, nbytes: int) -> torch.Tensor: ...
+    def alloc_device(self, nbytes: int, stream: Stream = None) -> torch.Tensor:
+        """Device memory for ``stream`` to write first (None: the current stream)."""
+        ...
 
     def new_fence(self) -> Fence: ...
 
@@ -99,7 +101,7 @@ class HostTransport:
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def alloc_device(self, nbytes: int) -> torch.Tensor:
+    def alloc_device(self, nbytes: int, stream: Stream = None) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def new_fence(self) -> Fence:
@@ -137,8 +139,6 @@ def _no_cuda(*args: Any) -> Any:
 
 # Raw bindings of the torch calls the hot path makes, looked up once. Each is one C call;
 # the public wrappers around them add a Python frame and a current-stream lookup each.
-_get_device = getattr(torch._C, "_cuda_getDevice", _no_cuda)
-_set_device = getattr(torch._C, "_cuda_setDevice", _no_cuda)
 # (stream_id, device_index, device_type) of a device's current stream.
 _current_stream_of = getattr(torch._C, "_cuda_getCurrentStream", _no_cuda)
 _event_base: Any = getattr(torch._C, "_CudaEventBase", None)
@@ -148,38 +148,22 @@ _synchronize = getattr(_event_base, "synchronize", _no_cuda)
 
 
 class _CudaFence(torch.cuda.Event):
-    """A CUDA event (timing off) that always runs under its pool's device.
+    """A CUDA event (timing off), recorded on the stage's resolved stream, never "the current one".
 
-    ``record`` takes the stage's resolved stream, never "the current one". ATen guards
-    the device of a record; a query or a wait it leaves to the caller, so they switch to
-    the pool's device here when another device is current (rule 8).
+    Rule 8 holds without a device switch here: ATen's record guards the event's device
+    (and refuses a stream of another device), and ``cudaEventQuery`` /
+    ``cudaEventSynchronize`` may be called from any device (ATen's ``CUDAEvent.h``).
     """
-
-    index: int
 
     def record(self, stream: Stream = None) -> None:
         _record(self, stream)
 
     def query(self) -> bool:
-        previous = _get_device()
-        if previous == self.index:
-            return bool(_query(self))
-        _set_device(self.index)
-        try:
-            return bool(_query(self))
-        finally:
-            _set_device(previous)
+        return bool(_query(self))
 
     def synchronize(self) -> None:
         refuse_explicit_sync("a pool fence's synchronize()")
-        previous = _get_device()
-        if previous != self.index:
-            _set_device(self.index)
-        try:
-            _synchronize(self)  # sync-ok: callers wait only on a fence they queried as pending
-        finally:
-            if previous != self.index:
-                _set_device(previous)
+        _synchronize(self)  # sync-ok: callers wait only on a fence they queried as pending
 
 
 class CudaTransport:
@@ -206,12 +190,17 @@ class CudaTransport:
         with torch.cuda.device(self.device):
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def alloc_device(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+    def alloc_device(self, nbytes: int, stream: Stream = None) -> torch.Tensor:
+        # The caching allocator hands out blocks per stream: take it from the pool of the
+        # stream that will write it, so no work queued on another stream still owns it.
+        if stream is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        with torch.cuda.stream(stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def new_fence(self) -> Fence:
         fence = _CudaFence(enable_timing=False)  # type: ignore[no-untyped-call]
-        fence.index = self.index  # the event itself is created at its first record, on that stream's device
+        # The event itself is created at its first record, on that stream's device.
         return fence
 
     def resolve_stream(self, stream: Stream | None) -> Stream:

@@ -26,9 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolSettings
+from pinpool import transport as transport_module
 from pinpool.simulated import LaggingGpu, SimStream
 from pinpool.stage import Stage
-from pinpool.transport import Stream
+from pinpool.transport import CudaTransport, Stream
 
 Read = tuple[int, Callable[[], None]]
 
@@ -57,7 +58,8 @@ def run_plan(
     streams: list[SimStream] = [gpu.current_stream(0)]
     streams += [gpu.new_stream(f"s{i}") for i in range(1, rng.randint(2, 3) + 1)]
     gpu.set_current(gpu.new_stream("other-device", device_index=1))
-    pool = ring(PoolSettings(device="cpu", num_slots=num_slots, slot_bytes=1024), transport=gpu)
+    settings = PoolSettings(device="cpu", num_slots=num_slots, slot_bytes=1024, debug=rng.random() < 0.2)
+    pool = ring(settings, transport=gpu)
     consumers = rng.sample(streams, rng.randint(0, 2))
     for consumer in consumers:
         pool.register_consumer_stream(consumer)
@@ -83,6 +85,10 @@ def fire_due(reads: list[Read], claims: int) -> None:
         read()
 
 
+class Abort(Exception):
+    pass
+
+
 def stage_step(
     pool: PinnedRingBuffer,
     gpu: LaggingGpu,
@@ -92,14 +98,29 @@ def stage_step(
     reads: list[Read],
     step: int,
 ) -> None:
+    """One stage: plain, aborted (maybe after its flush), owned, or with a read-back inside."""
+    kind = rng.choice(["plain", "plain", "plain", "abort", "owned", "readback"])
     staged: list[tuple[torch.Tensor, np.ndarray[Any, Any]]] = []
-    with pool.stage(stream=rng.choice(streams) if rng.random() < 0.5 else None) as stage:
-        for _ in range(rng.randint(0, 3)):
-            values = np.array([rng.randint(-(2**40), 2**40) for _ in range(rng.randint(1, 24))], dtype=np.int64)
-            staged.append((stage.put(values.tolist(), torch.int64), values))
-        if rng.random() < 0.3:
-            stage.flush()
-        gpu.set_current(rng.choice(streams))  # the current stream at close need not be the stage's
+    try:
+        with pool.stage(
+            stream=rng.choice(streams) if rng.random() < 0.5 else None, owned_bytes=1024 if kind == "owned" else None
+        ) as stage:
+            for _ in range(rng.randint(0, 3)):
+                values = np.array([rng.randint(-(2**40), 2**40) for _ in range(rng.randint(1, 24))], dtype=np.int64)
+                staged.append((stage.put(values.tolist(), torch.int64), values))
+            if rng.random() < 0.3:
+                stage.flush()
+            if kind == "readback":
+                src = torch.zeros(4, dtype=torch.int64)
+                want = torch.tensor([rng.randint(0, 2**40) for _ in range(4)], dtype=torch.int64)
+                gpu.enqueue_write(src, want, stage.stream)
+                handle = stage.readback(src)
+                gpu.enqueue_write(src, want + 1, stage.stream)
+            gpu.set_current(rng.choice(streams))  # the current stream at close need not be the stage's
+            if kind == "abort":
+                raise Abort
+    except Abort:
+        return
     copied = gpu.new_fence()
     copied.record(stage.stream)
     limit = pool.claims + pool.settings.num_slots - 1  # rule 2's lifetime, in claims
@@ -112,6 +133,14 @@ def stage_step(
             gpu.enqueue_check(view, values, f"step {step} read on {reader.name}", reader)
 
         reads.append((rng.randint(pool.claims, limit), read))
+    if kind == "readback":
+
+        def read_back() -> None:
+            got = handle.values()
+            if not np.array_equal(got, want.numpy()):
+                gpu.mismatches.append(f"step {step}: stage read-back {got.tolist()}, expected {want.tolist()}")
+
+        reads.append((rng.randint(pool.claims, limit), read_back))
 
 
 def readback_step(
@@ -182,8 +211,8 @@ def test_the_stream_is_fixed_at_open_whatever_is_current_at_close() -> None:
     """Catches a copy or fence issued on the stream current at close instead of the stage's (case 1)."""
     gpu = LaggingGpu(max_lag=0)
     s1, s2 = gpu.new_stream("s1"), gpu.new_stream("s2")
-    pool = _pool(gpu)
     gpu.set_current(s1)
+    pool = _pool(gpu)
     with pool.stage() as stage:
         stage.put([1, 2, 3], torch.int32)
         gpu.set_current(s2)
@@ -243,18 +272,50 @@ def test_read_backs_follow_the_same_stream_rules() -> None:
     ]
 
 
-def test_another_current_device_does_not_move_the_pools_work() -> None:
-    """Catches rule 8: a pool that follows the current device stages on another device's stream."""
-    gpu = LaggingGpu(max_lag=2, devices=2)
-    gpu.set_current(gpu.new_stream("dev1-busy", device_index=1))
-    gpu.current_device = 1
+def test_the_cuda_transport_asks_for_the_pool_devices_current_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches rule 8 on the CUDA path: "the current stream" taken from the current device, not the pool's."""
+    asked: list[int] = []
+
+    def current_stream_of(index: int) -> tuple[int, int, int]:
+        asked.append(index)
+        return (100 + index, index, 1)
+
+    class FakeStream:
+        def __init__(self, stream_id: int, device_index: int, device_type: int) -> None:
+            self.stream_id, self.device_index = stream_id, device_index
+
+    monkeypatch.setattr(transport_module, "_current_stream_of", current_stream_of)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    transport = CudaTransport(torch.device("cuda", 1))  # constructing it touches no GPU
+    stream = transport.resolve_stream(None)
+    assert asked == [1]
+    assert (stream.stream_id, stream.device_index) == (101, 1)
+    assert transport.resolve_stream(None) is stream  # unchanged stream: the same object, so ``is`` settles it
+
+
+def test_the_first_stage_on_another_stream_waits_for_the_mirrors_allocation_stream() -> None:
+    """Catches a first copy on a side stream into a mirror block whose previous owner may still be read there."""
+    gpu = LaggingGpu(max_lag=0)
+    side = gpu.new_stream("side")
+    pool = _pool(gpu)  # allocated while default:0 is current
+    with pool.stage(stream=side) as stage:
+        stage.put([1], torch.int32)
+    assert gpu.calls[:2] == [("cudaEventRecord", "default:0"), ("cudaStreamWaitEvent", "side")]
+
+
+def test_close_waits_for_readers_queued_after_a_stages_fence() -> None:
+    """Catches teardown that frees the mirror while a kernel queued on the stage's stream still reads it."""
+    gpu = LaggingGpu(max_lag=0)
+    s1 = gpu.new_stream("s1")
     pool = _pool(gpu)
-    with pool.stage() as stage:
-        view = stage.put([5, 6], torch.int32)
-    gpu.enqueue_check(view, np.array([5, 6], dtype=np.int32), "read", stage.stream)
+    with pool.stage(stream=s1) as stage:
+        view = stage.put([3, 4], torch.int32)
     gpu.drain()
-    assert stage.stream.device_index == 0
-    assert gpu.errors == [] and gpu.mismatches == []
+    gpu.frozen = True
+    gpu.enqueue_check(view, np.array([3, 4], dtype=np.int32), "late reader", s1)
+    pool.close()
+    assert gpu.pending == 0, "close() returned with a reader of the mirror still queued"
+    assert gpu.mismatches == []
 
 
 def test_a_stream_of_another_device_is_refused_before_anything_is_claimed() -> None:
