@@ -2,12 +2,18 @@
 
 Every check runs on the host, on the host copies of the lengths, before anything is
 staged or launched. The per-request metadata (rows, prefix lengths, sequence lengths,
-start offsets into ``out_cache_loc`` and the prefix tensors' addresses) then lands in
-one copy from the pool, and the kernel reads it from there.
+start offsets into ``out_cache_loc`` and the prefix tensors' tagged addresses) then
+lands in one copy from the pool, and the kernel reads it from there.
+
+Host cost per request is what limits a large batch, so the checks are vectorised: int
+lists become int64 arrays through ``array.array`` (C speed), the length rules are numpy
+masks, and each prefix tensor's attribute checks run once per tensor object
+(``memcache.prefix_check``), kept on each tensor.
 """
 
 from __future__ import annotations
 
+import array
 import os
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -16,6 +22,7 @@ import numpy as np
 import torch
 
 from memcache.exceptions import CacheIndexError
+from memcache.prefix_check import prefix_addresses
 from memcache.req_to_token import ReqToTokenPool
 from memcache.write_kernel import META_ROWS, launch_write_req_to_token, write_req_to_token_reference
 from pinpool import PinnedRingBuffer
@@ -24,8 +31,20 @@ Backend = Literal["auto", "triton", "torch"]
 IntsLike = Sequence[int] | np.ndarray[Any, Any]
 
 
-def _ints(name: str, values: IntsLike, bs: int) -> np.ndarray[Any, Any]:
-    arr = np.asarray(values)
+def _ints(name: str, values: IntsLike | torch.Tensor, bs: int) -> np.ndarray[Any, Any]:
+    if type(values) is list:
+        try:  # a scheduler's list of Python ints: array.array converts at C speed, exactly or not at all
+            arr = np.frombuffer(array.array("q", values), np.int64) if values else np.zeros(0, np.int64)
+        except (TypeError, OverflowError):
+            arr = np.asarray(values)
+    elif isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":  # reading a device tensor here would be a host sync
+            raise CacheIndexError(
+                f"'{name}' must be host values (a list, numpy array or CPU tensor; got {values.device})"
+            )
+        arr = values.numpy()
+    else:
+        arr = np.asarray(values)
     if arr.ndim != 1 or arr.shape[0] != bs:
         raise CacheIndexError(f"'{name}' must hold {bs} values, one per request (got shape {arr.shape})")
     if arr.size and arr.dtype.kind not in "iu":
@@ -48,10 +67,10 @@ def _resolve_backend(backend: Backend, device: torch.device) -> str:
 
 def write_cache_indices(
     out_cache_loc: torch.Tensor,
-    req_pool_indices: IntsLike,
-    prefix_lens: IntsLike,
-    seq_lens: IntsLike,
-    extend_lens: IntsLike,
+    req_pool_indices: IntsLike | torch.Tensor,
+    prefix_lens: IntsLike | torch.Tensor,
+    seq_lens: IntsLike | torch.Tensor,
+    extend_lens: IntsLike | torch.Tensor,
     prefix_tensors: Sequence[torch.Tensor],
     req_to_token_pool: ReqToTokenPool,
     pool: PinnedRingBuffer,
@@ -61,8 +80,11 @@ def write_cache_indices(
     """Write ``req_to_token[row, :prefix_len] = prefix`` and ``[prefix_len:seq_len] = new slots``.
 
     Host arguments: ``req_pool_indices``, ``prefix_lens``, ``seq_lens``, ``extend_lens``
-    (one int per request). ``out_cache_loc`` holds the new slots of all requests back to
-    back; ``prefix_tensors[i]`` (int32, on the pool's device) holds request i's prefix.
+    (one int per request: lists, numpy arrays or CPU tensors, such as sglang's ``*_cpu``).
+    ``out_cache_loc`` holds the new slots of all requests back to back;
+    ``prefix_tensors[i]`` (int32, or int64 as sglang's radix cache holds them, on the
+    pool's device) holds request i's prefix. int64 indices are stored as int32, as
+    sglang's kernel stores them: KV slot indices are below 2**31.
     """
     req_to_token = req_to_token_pool.req_to_token
     device = req_to_token.device
@@ -74,7 +96,7 @@ def write_cache_indices(
     seq = _ints("seq_lens", seq_lens, bs)
     extend = _ints("extend_lens", extend_lens, bs)
     _check_lengths(rows, prefix, seq, extend, out_cache_loc, req_to_token_pool)
-    pointers = _check_prefixes(prefix_tensors, prefix, device)
+    pointers = prefix_addresses(prefix_tensors, prefix, device)
     starts = np.zeros(bs, dtype=np.int64)
     np.cumsum(extend[:-1], out=starts[1:])  # exclusive prefix sum: where each request's slots begin
     chosen = _resolve_backend(backend, device)
@@ -140,42 +162,3 @@ def _check_lengths(
         ordered = np.sort(rows)
         if (ordered[1:] == ordered[:-1]).any():
             raise CacheIndexError("'req_pool_indices' must not repeat a row within one batch")
-
-
-def _check_prefixes(
-    prefix_tensors: Sequence[torch.Tensor], prefix: np.ndarray[Any, Any], device: torch.device
-) -> list[int]:
-    """Check each prefix tensor the kernel will dereference; return their addresses.
-
-    O(bs) Python on the hot path, so only C-level attribute reads (``len(t)`` goes through
-    Python in torch and costs several times ``t.shape[0]``): about 0.4 µs a request.
-    """
-    needs = prefix.tolist()  # sync-ok: numpy host array, no device read
-    pointers = [0] * len(needs)  # 0 for an empty prefix: the kernel's prefix loop never runs
-    cuda, index = device.type == "cuda", device.index
-    for i, t in enumerate(prefix_tensors):
-        need = needs[i]
-        if not need:
-            continue
-        try:
-            ok = (
-                t.dtype is torch.int32
-                and (t.get_device() == index if cuda else t.is_cpu)
-                and t.dim() == 1
-                and t.is_contiguous()
-            )
-        except AttributeError:  # not a tensor
-            ok = False
-        if not ok:
-            raise _prefix_error(i, t, device)
-        if t.shape[0] < need:
-            raise CacheIndexError(f"'prefix_tensors[{i}]' must hold prefix_len {need} indices (got {t.shape[0]})")
-        pointers[i] = t.data_ptr()
-    return pointers
-
-
-def _prefix_error(i: int, t: Any, device: torch.device) -> CacheIndexError:
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != device:
-        got = f"{t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-        return CacheIndexError(f"'prefix_tensors[{i}]' must be an int32 tensor on {device} (got {got})")
-    return CacheIndexError(f"'prefix_tensors[{i}]' must be 1-D and contiguous (got shape {tuple(t.shape)})")

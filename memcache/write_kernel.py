@@ -1,12 +1,16 @@
 """Writing request rows of ``req_to_token``: the Triton kernel, its launcher, its reference.
 
-Each program owns one request and copies its prefix (through a staged pointer) and its
-newly allocated KV slots (from ``out_cache_loc`` at a staged start offset). Work is
-O(total tokens + bs): start offsets come in precomputed, where sglang's kernel sums
-``extend_lens[0:pid]`` in every program (O(bs²)).
+Each program owns one request and copies its prefix (through a staged pointer whose bit
+0 says int64, else int32: ``memcache.prefix_check``) and its newly allocated KV slots
+(from ``out_cache_loc`` at a staged start offset). Work is O(total tokens + bs): start
+offsets come in precomputed, where sglang's kernel sums ``extend_lens[0:pid]`` in every
+program (O(bs²)).
 """
 
 from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 import triton
@@ -23,7 +27,7 @@ BLOCK = 256
 @triton.jit
 def _write_req_to_token_kernel(
     req_to_token_ptr,  # int32 [num_rows, row_stride]
-    meta_ptr,  # int64 [5, bs]: row, prefix_len, seq_len, start offset, prefix data_ptr
+    meta_ptr,  # int64 [5, bs]: row, prefix_len, seq_len, start offset, prefix data_ptr | int64 tag
     out_cache_loc_ptr,  # int32 | int64 [sum(seq_len - prefix_len)]
     bs,
     row_stride,
@@ -37,14 +41,21 @@ def _write_req_to_token_kernel(
     prefix_addr = tl.load(meta_ptr + 4 * bs + pid)
     dst = req_to_token_ptr + row * row_stride
     # An empty prefix stages address 0: the loop below never runs, so it is never read.
-    prefix = prefix_addr.to(tl.pointer_type(tl.int32))
+    tag = prefix_addr & 1  # 1: the prefix is int64
+    prefix32 = prefix_addr.to(tl.pointer_type(tl.int32))
+    prefix64 = (prefix_addr - 1).to(tl.pointer_type(tl.int64))
     # while-loops, not range(runtime bound): Triton 3.6's interpreter cannot take a
     # loaded value as a range bound, and the compiled code is the same.
     off = prefix_len * 0
     while off < prefix_len:
         idx = off + tl.arange(0, BLOCK)
         mask = idx < prefix_len
-        tl.store(dst + idx, tl.load(prefix + idx, mask=mask), mask=mask)
+        # Both loads are masked by dtype, so only the prefix's own width is ever read;
+        # int64 indices are stored as int32, as sglang's kernel stores them.
+        lane_tag = idx * 0 + tag  # the tag per lane: a vector mask, as the interpreter needs
+        v64 = tl.load(prefix64 + idx, mask=mask & (lane_tag == 1), other=0)
+        v32 = tl.load(prefix32 + idx, mask=mask & (lane_tag == 0), other=0)
+        tl.store(dst + idx, tl.where(lane_tag == 1, v64.to(tl.int32), v32), mask=mask)
         off += BLOCK
     extend_len = seq_len - prefix_len
     off = prefix_len * 0
@@ -79,7 +90,15 @@ def launch_write_req_to_token(req_to_token: torch.Tensor, meta: torch.Tensor, ou
     bs = meta.shape[1]
     if bs == 0:
         return
-    _write_req_to_token_kernel[(bs,)](req_to_token, meta, out_cache_loc, bs, req_to_token.stride(0), BLOCK=BLOCK)
+    with _on_device(req_to_token.device):
+        _write_req_to_token_kernel[(bs,)](req_to_token, meta, out_cache_loc, bs, req_to_token.stride(0), BLOCK=BLOCK)
+
+
+def _on_device(device: torch.device) -> AbstractContextManager[Any]:
+    """Triton launches on the *current* device: make the tensors' device current when it is not."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return nullcontext()
 
 
 def write_req_to_token_reference(

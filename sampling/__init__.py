@@ -1,10 +1,13 @@
 """sampling: per-request sampling parameters, their batch staged through pinpool, and the sampler."""
 
 from sampling.batch_info import RequestLike, SamplingBatchInfo, ScheduleBatchLike
+from sampling.bias_kernel import apply_logit_bias_reference, launch_apply_logit_bias
 from sampling.draw import draw_reference, filter_sorted_probs, hashed_uniform, launch_draw_sorted, mask_sorted_probs
 from sampling.exceptions import BatchMismatchError, SamplingParamError
+from sampling.logit_bias import SparseLogitBias
 from sampling.params import DEFAULT_SEED, GREEDY_EPS, RECORD_DTYPE, TOP_K_ALL, SamplingParams
 from sampling.sampler import Sampler, SamplingTensors
+from sampling.sglang_params import ForeignParamsCache, pack_foreign
 
 __all__ = [
     "DEFAULT_SEED",
@@ -12,6 +15,7 @@ __all__ = [
     "RECORD_DTYPE",
     "TOP_K_ALL",
     "BatchMismatchError",
+    "ForeignParamsCache",
     "RequestLike",
     "Sampler",
     "SamplingBatchInfo",
@@ -19,9 +23,13 @@ __all__ = [
     "SamplingParams",
     "SamplingTensors",
     "ScheduleBatchLike",
+    "SparseLogitBias",
+    "apply_logit_bias_reference",
     "draw_reference",
     "filter_sorted_probs",
     "hashed_uniform",
+    "launch_apply_logit_bias",
     "launch_draw_sorted",
     "mask_sorted_probs",
+    "pack_foreign",
 ]

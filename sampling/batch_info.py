@@ -1,15 +1,15 @@
 """``SamplingBatchInfo``: a batch's sampling tensors, staged through the pool in one copy.
 
-The per-request tensors are column views of one ``[bs * 32]`` byte block of packed
-records (``sampling.params.RECORD_DTYPE``). Building a batch joins the requests'
-precomputed records, memmoves them into a pool slot, and lands them (with any logit-bias
-entries) in one copy. Flags are computed from the host copy of the records: no device
+Each request carries its packed 32-byte record (``sampling.params.RECORD_DTYPE``; for
+sglang-named params, ``sampling.sglang_params`` packs it once and caches it). Building a
+batch joins the records, writes them into a pool slot as contiguous columns
+(``sampling.columns``) plus any sparse logit-bias entries (``sampling.logit_bias``), and
+lands them in one copy. Flags are computed from the host copy of the records: no device
 value is ever read back.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -18,7 +18,9 @@ import numpy as np
 import torch
 
 from pinpool import DeviceMismatchError, PinnedRingBuffer, Stage
+from sampling import columns
 from sampling.exceptions import BatchMismatchError
+from sampling.logit_bias import BiasOf, SparseLogitBias, merged_block
 from sampling.params import (
     FLAG_BIAS,
     FLAG_GREEDY,
@@ -26,20 +28,19 @@ from sampling.params import (
     FLAG_TOP_K,
     FLAG_TOP_P,
     RECORD_DTYPE,
+    TOP_K_ALL,
     SamplingParams,
 )
-
-RECORD_BYTES = RECORD_DTYPE.itemsize
-# Byte offsets of the record's columns, as element indices of each dtype view.
-_OFFSETS = {name: spec[1] for name, spec in (RECORD_DTYPE.fields or {}).items()}
-_F32 = {name: _OFFSETS[name] // 4 for name in ("temperature", "top_p", "min_p")}
-_TOP_K_I32 = _OFFSETS["top_k"] // 4
-_SEED_I64 = _OFFSETS["seed"] // 8
+from sampling.sglang_params import FOREIGN_PARAMS
 
 
 class RequestLike(Protocol):
+    """A request: its ``sampling_params`` are pinpool's ``SamplingParams``, or an object with
+    sglang's fields (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``sampling_seed``,
+    ``logit_bias``), such as sglang's own ``SamplingParams``."""
+
     @property
-    def sampling_params(self) -> SamplingParams: ...
+    def sampling_params(self) -> SamplingParams | Any: ...
 
 
 class ScheduleBatchLike(Protocol):
@@ -56,28 +57,30 @@ class ScheduleBatchLike(Protocol):
 class SamplingBatchInfo:
     """Sampling tensors of a running batch; filtered and merged in place like sglang's."""
 
-    #: uint8 [bs * 32] on the device: the packed records the column views below read.
-    records: torch.Tensor
-    #: The host copy of the same records (numpy, RECORD_DTYPE): flags come from here.
+    #: int32 [6 * bs] on the device: the column block the tensors below view (``sampling.columns``).
+    columns: torch.Tensor
+    #: The host copy of the records (numpy, RECORD_DTYPE): flags come from here.
     host_records: np.ndarray[Any, Any]
     vocab_size: int
     deterministic: bool
     pool: PinnedRingBuffer
-    #: Ring lease while the records live in a pool slot; None once they are owned.
+    #: Ring lease while the columns live in a pool slot; None once they are owned.
     lease: Stage | None = None
-    #: float32 [bs, vocab_size] or None.
-    logit_bias: torch.Tensor | None = None
+    #: Sparse (row, token, value) entries, or None when no row carries a bias.
+    sparse_logit_bias: SparseLogitBias | None = None
     #: (OR, AND) of the rows' flag bits when the caller already reduced them.
     flag_bits: tuple[int, int] | None = attrs.field(default=None, repr=False)
-    temperatures: torch.Tensor = attrs.field(init=False)  # float32 [bs, 1]
-    top_ps: torch.Tensor = attrs.field(init=False)  # float32 [bs]
-    top_ks: torch.Tensor = attrs.field(init=False)  # int32 [bs]
-    min_ps: torch.Tensor = attrs.field(init=False)  # float32 [bs]
+    temperatures: torch.Tensor = attrs.field(init=False)  # float32 [bs, 1], contiguous
+    top_ps: torch.Tensor = attrs.field(init=False)  # float32 [bs], contiguous
+    top_ks: torch.Tensor = attrs.field(init=False)  # int32 [bs], contiguous
+    min_ps: torch.Tensor = attrs.field(init=False)  # float32 [bs], contiguous
     sampling_seed: torch.Tensor | None = attrs.field(init=False)  # int64 [bs] or None
     is_all_greedy: bool = attrs.field(init=False)
+    is_any_greedy: bool = attrs.field(init=False)
     need_top_p_sampling: bool = attrs.field(init=False)
     need_top_k_sampling: bool = attrs.field(init=False)
     need_min_p_sampling: bool = attrs.field(init=False)
+    _dense_bias: torch.Tensor | None = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._derive()
@@ -107,8 +110,8 @@ class SamplingBatchInfo:
             raise BatchMismatchError(f"'vocab_size' must be an int >= 1 (got {vocab_size!r})")
         if batch.device != pool.device and not _same_device(batch.device, pool.device):
             raise DeviceMismatchError(f"'batch.device' must be the pool's device {pool.device} (got {batch.device})")
-        joined = b"".join([r.sampling_params.record for r in reqs])
-        host_records = np.frombuffer(joined, RECORD_DTYPE)
+        joined, bias_of = _gather_records(reqs)
+        host_records = joined if isinstance(joined, np.ndarray) else np.frombuffer(joined, RECORD_DTYPE)
         flags = host_records["flags"]
         any_flags = int(np.bitwise_or.reduce(flags))
         bias_total = 0
@@ -118,24 +121,21 @@ class SamplingBatchInfo:
             _check_bias_tokens(host_records, vocab_size)
         owned_bytes = None
         if owned:
-            owned_bytes = bs * RECORD_BYTES + bias_total * 12 + 2 * pool.settings.alignment
+            owned_bytes = bs * 4 * columns.COLUMN_WORDS + bias_total * 12 + 2 * pool.settings.alignment
+        sparse = None
         with pool.stage(owned_bytes=owned_bytes) as st:
-            records_host, records = st.reserve(bs * RECORD_BYTES, torch.uint8, name="sampling records")
-            records_host[:] = np.frombuffer(joined, np.uint8)  # one memmove of the joined records
+            host, block = st.reserve(columns.COLUMN_WORDS * bs, torch.int32, name="sampling columns")
+            columns.write_columns(host, joined, bs)
             if bias_total:
-                flat_index, bias_values = _stage_bias(st, reqs, n_bias, bias_total, vocab_size)
-        logit_bias = None
-        if bias_total:
-            logit_bias = torch.zeros(bs, vocab_size, dtype=torch.float32, device=pool.device)
-            logit_bias.view(-1).index_put_((flat_index,), bias_values, accumulate=True)
+                sparse = SparseLogitBias.stage(st, n_bias, bias_total, bias_of)
         return cls(
-            records,
+            block,
             host_records,
             vocab_size,
             deterministic,
             pool,
             lease=None if owned else st,
-            logit_bias=logit_bias,
+            sparse_logit_bias=sparse,
             flag_bits=(any_flags, int(np.bitwise_and.reduce(flags))),
         )
 
@@ -146,7 +146,8 @@ class SamplingBatchInfo:
         """Keep the rows ``keep_indices`` (host ints), in that order.
 
         ``keep_device``: the same indices already on the device (int64). Without it they
-        are staged through the pool (one small copy).
+        are staged through the pool (one small copy). Rows with a logit bias cost one
+        more copy: their entries, renumbered on the host, into memory the batch owns.
         """
         keep = np.asarray(keep_indices, dtype=np.int64).reshape(-1)
         bs = len(self.host_records)
@@ -156,19 +157,22 @@ class SamplingBatchInfo:
         if keep_device is None:
             with self.pool.stage() as st:
                 keep_device = st.put(keep, torch.int64, name="keep_indices")
-        elif keep_device.device != self.records.device or keep_device.shape != (keep.size,):
+        elif (
+            keep_device.device != self.columns.device
+            or keep_device.shape != (keep.size,)
+            or keep_device.dtype != torch.int64
+        ):
             raise BatchMismatchError(
-                f"'keep_device' must be shape ({keep.size},) on {self.records.device} "
-                f"(got {tuple(keep_device.shape)} on {keep_device.device})"
+                f"'keep_device' must be int64 shape ({keep.size},) on {self.columns.device} "
+                f"(got {keep_device.dtype} {tuple(keep_device.shape)} on {keep_device.device})"
             )
         self.check_live()
-        self.records = self.records.view(-1, RECORD_BYTES).index_select(0, keep_device).view(-1)
+        block = None
+        if self.sparse_logit_bias is not None:
+            block = self.sparse_logit_bias.filtered(self.host_records["n_bias"], keep)
+        self.columns = columns.select(self.columns, bs, keep_device)
         self.host_records = self.host_records[keep]
-        if self.logit_bias is not None:
-            # The host records say whether any kept row still carries a bias: drop the
-            # dense matrix (and its kernel per step) when none does.
-            has_bias = bool(self.host_records["n_bias"].any())
-            self.logit_bias = self.logit_bias.index_select(0, keep_device) if has_bias else None
+        self.sparse_logit_bias = None if block is None else SparseLogitBias.land(self.pool, block)
         self.lease = None
         self._derive()
 
@@ -178,26 +182,50 @@ class SamplingBatchInfo:
             raise BatchMismatchError(f"'other.vocab_size' must be {self.vocab_size} (got {other.vocab_size})")
         if other.deterministic != self.deterministic:
             raise BatchMismatchError("'other.deterministic' must match this batch's deterministic setting")
-        if other.records.device != self.records.device:
-            raise BatchMismatchError(f"'other' must be on {self.records.device} (got {other.records.device})")
+        if other.columns.device != self.columns.device:
+            raise BatchMismatchError(f"'other' must be on {self.columns.device} (got {other.columns.device})")
         self.check_live()
         other.check_live()
-        if self.logit_bias is not None or other.logit_bias is not None:
-            self.logit_bias = torch.cat([self._dense_bias(), other._dense_bias()])
-        self.records = torch.cat([self.records, other.records])
+        block = None
+        if self.sparse_logit_bias is not None or other.sparse_logit_bias is not None:
+            block = merged_block(self.sparse_logit_bias, len(self), other.sparse_logit_bias)
+        self.columns = columns.concat(self.columns, len(self), other.columns, len(other))
         self.host_records = np.concatenate([self.host_records, other.host_records])
+        self.sparse_logit_bias = None if block is None else SparseLogitBias.land(self.pool, block)
         self.lease = None
         self._derive()
 
     def apply_logits_bias(self, logits: torch.Tensor) -> torch.Tensor:
         """Add the logit bias to ``logits`` [bs, vocab] in place (one kernel); returns it."""
-        if self.logit_bias is not None:
-            if logits.shape != self.logit_bias.shape:
+        if self.sparse_logit_bias is not None:
+            if logits.shape != (len(self), self.vocab_size):
                 raise BatchMismatchError(
-                    f"'logits' must be shape {tuple(self.logit_bias.shape)} (got {tuple(logits.shape)})"
+                    f"'logits' must be shape ({len(self)}, {self.vocab_size}) (got {tuple(logits.shape)})"
                 )
-            logits.add_(self.logit_bias)
+            self.check_live()
+            self.sparse_logit_bias.apply(logits)
         return logits
+
+    # -- sglang's derived fields -------------------------------------------------------
+    @property
+    def logit_bias(self) -> torch.Tensor | None:
+        """sglang's dense float32 [bs, vocab] bias, or None: built on the device on first read.
+
+        For code that reads sglang's field (speculative decoding); ``apply_logits_bias``
+        and the ``Sampler`` use the sparse entries and never build it.
+        """
+        if self.sparse_logit_bias is None:
+            return None
+        if self._dense_bias is None:
+            self.check_live()
+            self._dense_bias = self.sparse_logit_bias.dense(len(self), self.vocab_size)
+        return self._dense_bias
+
+    @property
+    def max_top_k(self) -> int | None:
+        """sglang's bound on every row's top_k, or None when some row samples the whole vocabulary."""
+        top_k = self.host_records["top_k"]
+        return int(top_k.max()) if bool((top_k < TOP_K_ALL).all()) else None
 
     # -- internals ---------------------------------------------------------------------
     def __len__(self) -> int:
@@ -205,69 +233,46 @@ class SamplingBatchInfo:
 
     @property
     def device(self) -> torch.device:
-        return self.records.device
+        return self.columns.device
 
     def check_live(self) -> None:
         """Raise ``StaleLeaseError`` if this batch's ring slot was recycled (owned batches never are)."""
         if self.lease is not None:
             self.lease.check_live("SamplingBatchInfo")
 
-    def _dense_bias(self) -> torch.Tensor:
-        if self.logit_bias is not None:
-            return self.logit_bias
-        return torch.zeros(len(self), self.vocab_size, dtype=torch.float32, device=self.records.device)
-
     def _derive(self) -> None:
         bs = len(self.host_records)
-        columns = _column_views(self.records, bs, self.pool if self.lease is not None else None)
-        self.temperatures, self.top_ps, self.top_ks, self.min_ps, seeds = columns
+        if self.lease is not None:
+            views = columns.ring_views(self.columns, bs, self.pool)
+        else:
+            views = columns.views(self.columns, bs)
+        self.temperatures, self.top_ps, self.top_ks, self.min_ps, seeds = views
         self.sampling_seed = seeds if self.deterministic else None
+        self._dense_bias = None
         if self.flag_bits is None:
             flags = self.host_records["flags"]
             self.flag_bits = (int(np.bitwise_or.reduce(flags)), int(np.bitwise_and.reduce(flags)))
         any_bits, all_bits = self.flag_bits
         self.flag_bits = None  # valid for this row set only; recomputed after filter/merge
         self.is_all_greedy = bool(all_bits & FLAG_GREEDY)
+        self.is_any_greedy = bool(any_bits & FLAG_GREEDY)
         self.need_top_p_sampling = bool(any_bits & FLAG_TOP_P)
         self.need_top_k_sampling = bool(any_bits & FLAG_TOP_K)
         self.need_min_p_sampling = bool(any_bits & FLAG_MIN_P)
 
 
-_Columns = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-# Ring-staged records of the same batch size land at the same slot offsets lap after
-# lap: the column views of that memory are the same, so they are built once. Keyed by
-# the records' address and batch size; only ring memory (owned by the pool for its whole
-# life) is cached, never owned buffers, whose addresses the allocator reuses.
-# The cache lives as long as its pool (weak key), so a closed pool's mirror is not pinned.
-_RING_COLUMNS: weakref.WeakKeyDictionary[PinnedRingBuffer, dict[tuple[int, int], _Columns]] = (
-    weakref.WeakKeyDictionary()
-)
-_RING_COLUMNS_LIMIT = 256
-
-
-def _column_views(records: torch.Tensor, bs: int, pool: PinnedRingBuffer | None) -> _Columns:
-    cache = None
-    if pool is not None:
-        cache = _RING_COLUMNS.get(pool)
-        if cache is None:
-            cache = _RING_COLUMNS[pool] = {}
-        key = (records.data_ptr(), bs)
-        hit = cache.get(key)
-        if hit is not None:
-            return hit
-    f32 = records.view(torch.float32).view(bs, RECORD_BYTES // 4)
-    columns = (
-        f32[:, _F32["temperature"] : _F32["temperature"] + 1],
-        f32[:, _F32["top_p"]],
-        records.view(torch.int32).view(bs, RECORD_BYTES // 4)[:, _TOP_K_I32],
-        f32[:, _F32["min_p"]],
-        records.view(torch.int64).view(bs, RECORD_BYTES // 8)[:, _SEED_I64],
-    )
-    if cache is not None:
-        if len(cache) >= _RING_COLUMNS_LIMIT:
-            cache.clear()
-        cache[key] = columns
-    return columns
+def _gather_records(reqs: Sequence[RequestLike]) -> tuple[bytes | np.ndarray[Any, Any], BiasOf]:
+    """The requests' records (joined bytes, or a RECORD_DTYPE array), and where to find request i's
+    (token ids, values)."""
+    if type(reqs[0].sampling_params) is SamplingParams:
+        try:
+            joined = b"".join([r.sampling_params.record for r in reqs])
+        except AttributeError:  # a mixed batch: some requests carry sglang's params
+            pass
+        else:
+            return joined, lambda i: reqs[i].sampling_params.logit_bias
+    records, rows = FOREIGN_PARAMS.records([r.sampling_params for r in reqs])
+    return records, lambda i: FOREIGN_PARAMS.bias(rows[i])
 
 
 def _check_bias_tokens(host_records: np.ndarray[Any, Any], vocab_size: int) -> None:
@@ -278,24 +283,6 @@ def _check_bias_tokens(host_records: np.ndarray[Any, Any], vocab_size: int) -> N
             f"'logit_bias' token ids must be < vocab_size {vocab_size} "
             f"(got {int(host_records['bias_max_token'][i])} in request {i})"
         )
-
-
-def _stage_bias(
-    st: Stage, reqs: Sequence[RequestLike], n_bias: np.ndarray[Any, Any], total: int, vocab_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    index_host, index_device = st.reserve(total, torch.int64, name="logit_bias index")
-    value_host, value_device = st.reserve(total, torch.float32, name="logit_bias values")
-    at = 0
-    for i in np.nonzero(n_bias)[0].tolist():  # sync-ok: numpy host records; only requests with a bias
-        bias = reqs[i].sampling_params.logit_bias
-        assert bias is not None
-        tokens, values = bias
-        n = len(tokens)
-        index_host[at : at + n] = tokens
-        index_host[at : at + n] += i * vocab_size
-        value_host[at : at + n] = values
-        at += n
-    return index_device, value_device
 
 
 def _same_device(value: torch.device | str, device: torch.device) -> bool:

@@ -8,8 +8,13 @@ argmax): on a decode step that is host time the GPU waits for. ``draw_reference`
 that torch path, kept for CPU tensors and as the kernel's oracle.
 
 Ties: both pick the smallest token id among equal scores. The two may still differ where
-a float sum lands within a rounding step of a top-p threshold, because the kernel's
-running sum adds in a different order than torch's cumsum.
+a float sum lands within a rounding step of a top-p threshold below 1, because the
+kernel's running sum adds in a different order than torch's cumsum.
+
+Batch-independence: a row with ``top_p == 1`` keeps every token. Its float32 running sum
+can pass 1.0 before the tail (rounding), so comparing it with 1.0 would drop tail tokens
+once a neighbour turns the top-p filter on for the batch; both paths skip the comparison
+for such rows, and a row's support never depends on its neighbours.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from sampling.bias_kernel import on_device
 from sampling.exceptions import BatchMismatchError
 
 if TYPE_CHECKING:
@@ -88,7 +94,9 @@ def mask_sorted_probs(probs_sort: torch.Tensor, info: SamplingTensors) -> torch.
     """
     if info.need_top_p_sampling:
         mass_before = probs_sort.cumsum(dim=-1) - probs_sort
-        probs_sort = probs_sort.masked_fill(mass_before > info.top_ps[:, None], 0.0)
+        # top_p == 1 rows keep everything: their rounded cumsum may exceed 1.0 (module doc).
+        cut = (mass_before > info.top_ps[:, None]) & (info.top_ps < 1.0)[:, None]
+        probs_sort = probs_sort.masked_fill(cut, 0.0)
     if info.need_top_k_sampling:
         ranks = torch.arange(probs_sort.shape[-1], device=probs_sort.device)
         probs_sort = probs_sort.masked_fill(ranks[None, :] >= info.top_ks[:, None], 0.0)
@@ -171,6 +179,7 @@ def _draw_sorted_kernel(
     pos = tl.load(pos_ptr + row * pos_stride + lanes)
     key = _mix_tl(seed * 0x5851F42D4C957F2D + pos * 0x14057B7EF767814F)
     top_p = tl.load(top_p_ptr + row * top_p_stride)
+    top_p = tl.where(top_p >= 1.0, float("inf"), top_p)  # top_p 1 keeps every token (module doc)
     top_k = tl.load(top_k_ptr + row * top_k_stride).to(tl.int64)
     floor = tl.load(probs_ptr + base) * tl.load(min_p_ptr + row * min_p_stride)
     carry = tl.zeros([BLOCK], tl.float32).sum(0)  # mass of the blocks before this one
@@ -236,6 +245,21 @@ def launch_draw_sorted(
     out = torch.empty(bs, dtype=torch.int64, device=probs_sort.device)
     if bs == 0:
         return out
+    with on_device(probs_sort.device):
+        _launch_draw(probs_sort, probs_idx, info, positions, out, bs, vocab)
+    return out
+
+
+def _launch_draw(
+    probs_sort: torch.Tensor,
+    probs_idx: torch.Tensor,
+    info: SamplingTensors,
+    positions: torch.Tensor,
+    out: torch.Tensor,
+    bs: int,
+    vocab: int,
+) -> None:
+    assert info.sampling_seed is not None  # checked by launch_draw_sorted
     _draw_sorted_kernel[(bs,)](
         probs_sort,
         probs_idx,
@@ -256,4 +280,3 @@ def launch_draw_sorted(
         MIN_P=info.need_min_p_sampling,
         BLOCK=BLOCK,
     )
-    return out

@@ -78,8 +78,9 @@ def _check_min_p(instance: Any, attribute: Any, value: Any) -> None:
 def _check_seed(instance: Any, attribute: Any, value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (0 <= value < 2**63):
-        raise SamplingParamError(f"'seed' must be an int in [0, 2**63) or None (got {value!r})")
+    # Negative seeds are allowed, as sglang allows them: the record stores the int64 as is.
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (-(2**63) <= value < 2**63):
+        raise SamplingParamError(f"'seed' must be an int in [-2**63, 2**63) or None (got {value!r})")
 
 
 def _check_max_new_tokens(instance: Any, attribute: Any, value: Any) -> None:

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from sampling.batch_info import SamplingBatchInfo
 from sampling.draw import draw_reference, filter_sorted_probs, launch_draw_sorted
 from sampling.exceptions import BatchMismatchError
 
@@ -26,7 +27,6 @@ class SamplingTensors(Protocol):
     top_ks: torch.Tensor  # int32 [bs]
     min_ps: torch.Tensor  # float32 [bs]
     sampling_seed: torch.Tensor | None  # int64 [bs]
-    logit_bias: torch.Tensor | None  # float32 [bs, vocab]
     vocab_size: int
     deterministic: bool
     is_all_greedy: bool
@@ -35,6 +35,9 @@ class SamplingTensors(Protocol):
     need_min_p_sampling: bool
 
     def __len__(self) -> int: ...
+
+    @property
+    def logit_bias(self) -> torch.Tensor | None: ...  # float32 [bs, vocab] (dense) or None
 
     @property
     def device(self) -> torch.device: ...
@@ -64,9 +67,13 @@ class Sampler:
             got = None if positions is None else tuple(positions.shape)
             raise BatchMismatchError(f"'positions' must be shape ({bs},) for deterministic sampling (got {got})")
         info.check_live()
-        logits = logits.float()
-        if info.logit_bias is not None:
-            logits = logits + info.logit_bias
+        if isinstance(info, SamplingBatchInfo) and info.sparse_logit_bias is not None:
+            # Sparse entries, one kernel, on a float32 copy (the caller's logits stay as they are).
+            logits = info.sparse_logit_bias.apply(logits.to(torch.float32, copy=True))
+        elif info.logit_bias is not None:
+            logits = logits.float() + info.logit_bias
+        else:
+            logits = logits.float()
         if info.is_all_greedy:
             return logits.argmax(dim=-1)
         probs = torch.softmax(logits / info.temperatures, dim=-1)

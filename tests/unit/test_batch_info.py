@@ -156,3 +156,70 @@ def test_a_bare_cuda_batch_device_means_the_current_device(monkeypatch: pytest.M
     assert not _same_device("cpu", torch.device("cuda", 1))
     assert not _same_device("gpu", torch.device("cuda", 1))
     assert _same_device("cpu", torch.device("cpu"))
+
+
+SAMPLING_TENSORS = {
+    "temperatures": (torch.float32, 2),
+    "top_ps": (torch.float32, 1),
+    "top_ks": (torch.int32, 1),
+    "min_ps": (torch.float32, 1),
+    "sampling_seed": (torch.int64, 1),
+}
+
+
+def assert_contiguous(info: SamplingBatchInfo) -> None:
+    for name, (dtype, dim) in SAMPLING_TENSORS.items():
+        t = getattr(info, name)
+        assert t.is_contiguous(), f"{name} is strided {t.stride()}"
+        assert t.dtype == dtype and t.dim() == dim and t.shape[0] == len(info), name
+    assert info.temperatures.shape == (len(info), 1)
+
+
+@pytest.mark.parametrize("owned", [False, True])
+def test_every_sampling_tensor_is_contiguous_with_sglangs_shape(owned: bool) -> None:
+    """Catches a strided column view (kernels such as FlashInfer's sampling ops need contiguous
+    inputs) after a build, a filter or a merge."""
+    rng = random.Random(11)
+    pool = make_pool()
+    a = [random_params(rng, VOCAB) for _ in range(999)]
+    info = SamplingBatchInfo.from_schedule_batch(
+        Batch([Req(p) for p in a]), VOCAB, pool, owned=owned, deterministic=True
+    )
+    assert_contiguous(info)
+    info.filter_batch(list(range(0, 999, 3)))
+    assert_contiguous(info)
+    other = SamplingBatchInfo.from_schedule_batch(Batch([Req(p) for p in a[:5]]), VOCAB, pool, deterministic=True)
+    info.merge_batch(other)
+    assert_contiguous(info)
+    assert_matches(info, a[0:999:3] + a[:5])
+
+
+def test_filter_with_repeated_and_reordered_rows_keeps_each_rows_bias() -> None:
+    """Catches sparse bias entries renumbered to the wrong row when keep_indices reorders or repeats rows."""
+    pool = make_pool()
+    params = [
+        SamplingParams(logit_bias={1: 1.0, 3: 2.0}),
+        SamplingParams(),
+        SamplingParams(logit_bias={0: -1.0}),
+        SamplingParams(logit_bias={4: 5.0}),
+    ]
+    info = SamplingBatchInfo.from_schedule_batch(Batch([Req(p) for p in params]), VOCAB, pool, deterministic=True)
+    keep = [3, 0, 0, 1]
+    info.filter_batch(keep)
+    assert_matches(info, [params[i] for i in keep])
+    info.filter_batch([3])  # a row without bias: the sparse entries go away
+    assert info.sparse_logit_bias is None and info.logit_bias is None
+
+
+def test_the_sampler_never_builds_the_dense_bias() -> None:
+    """Catches the per-step [bs, vocab] bias matrix coming back through the sampler's path."""
+    from sampling import Sampler
+
+    pool = make_pool()
+    params = [SamplingParams(logit_bias={2: 50.0}, temperature=0.0), SamplingParams(temperature=0.0)]
+    info = SamplingBatchInfo.from_schedule_batch(Batch([Req(p) for p in params]), VOCAB, pool)
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 7] = 1.0
+    assert Sampler()(logits, info).tolist() == [2, 7]
+    assert logits[0, 2].item() == 0.0  # the caller's logits are not changed
+    assert info._dense_bias is None  # white-box: nothing built the dense matrix

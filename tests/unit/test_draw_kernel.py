@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -90,14 +91,31 @@ def test_launcher_refuses_bad_inputs_naming_them() -> None:
 
 
 def test_kernel_reads_strided_columns_and_positions() -> None:
-    """Catches a kernel that assumes unit strides (the batch's columns are record fields)."""
+    """Catches a kernel that assumes unit strides (a caller's columns may be record fields or padded rows)."""
     rng = random.Random(2)
     info = batch(rng, 5, 90, "pkm")
-    assert info.top_ps.stride(0) != 1
+    assert info.top_ps.stride(0) == 1  # the batch's own columns are contiguous ...
+
+    def strided(t: torch.Tensor) -> torch.Tensor:
+        return torch.stack([t, torch.zeros_like(t)], dim=1)[:, 0]
+
+    assert info.sampling_seed is not None
+    wide = SimpleNamespace(  # ... so build a batch whose columns are not
+        top_ps=strided(info.top_ps),
+        top_ks=strided(info.top_ks),
+        min_ps=strided(info.min_ps),
+        sampling_seed=strided(info.sampling_seed),
+        vocab_size=info.vocab_size,
+        need_top_p_sampling=True,
+        need_top_k_sampling=True,
+        need_min_p_sampling=True,
+    )
+    assert wide.top_ps.stride(0) == 2
     probs_sort, probs_idx = sorted_probs(info, seed=4)
     positions = torch.arange(10, dtype=torch.int64)[::2]
     want = draw_reference(probs_sort, probs_idx, info, positions)
-    assert launch_draw_sorted(probs_sort, probs_idx, info, positions).tolist() == want.tolist()
+    got = launch_draw_sorted(probs_sort, probs_idx, wide, positions)  # type: ignore[arg-type]
+    assert got.tolist() == want.tolist()
 
 
 def test_noise_stays_strictly_inside_zero_and_one_at_the_extremes() -> None:

@@ -3,8 +3,10 @@ and every validation case raising before anything is staged or launched."""
 
 from __future__ import annotations
 
+import gc
 import os
 import random
+import weakref
 from typing import Any
 
 import pytest
@@ -21,7 +23,13 @@ needs_interpreter = pytest.mark.skipif(
 
 
 def make_case(
-    rng: random.Random, bs: int, size: int, *, empty_prefix: bool = False, zero_extend: bool = False
+    rng: random.Random,
+    bs: int,
+    size: int,
+    *,
+    empty_prefix: bool = False,
+    zero_extend: bool = False,
+    dtypes: tuple[torch.dtype, ...] = (torch.int32,),
 ) -> dict[str, Any]:
     rows = rng.sample(range(size), bs)  # random order, no repeats
     prefix, extend = [], []
@@ -30,7 +38,7 @@ def make_case(
         e = 0 if zero_extend or rng.random() < 0.2 else rng.randint(1, MAX_LEN - p)
         prefix.append(p)
         extend.append(e)
-    prefix_tensors = [torch.randint(1, 10_000, (p + rng.randint(0, 3),), dtype=torch.int32) for p in prefix]
+    prefix_tensors = [torch.randint(1, 10_000, (p + rng.randint(0, 3),), dtype=rng.choice(dtypes)) for p in prefix]
     out_cache_loc = torch.randint(1, 10_000, (sum(extend),), dtype=torch.int64)
     seq = [p + e for p, e in zip(prefix, extend, strict=True)]
     return {
@@ -54,10 +62,19 @@ def run(case: dict[str, Any], backend: str, size: int) -> tuple[torch.Tensor, Pi
 @needs_interpreter
 @pytest.mark.parametrize(
     ("bs", "flags"),
-    [(1, {}), (3, {}), (999, {}), (5, {"empty_prefix": True}), (4, {"zero_extend": True})],
+    [
+        (1, {}),
+        (3, {}),
+        (999, {}),
+        (5, {"empty_prefix": True}),
+        (4, {"zero_extend": True}),
+        (1, {"dtypes": (torch.int64,)}),
+        (257, {"dtypes": (torch.int32, torch.int64)}),
+    ],
 )
 def test_triton_kernel_matches_reference_bit_for_bit(bs: int, flags: dict[str, bool]) -> None:
-    """Catches an off-by-one start offset, a prefix read through the wrong pointer, or a stray write."""
+    """Catches an off-by-one start offset, a prefix read through the wrong pointer or at the wrong
+    width (int64 radix-cache prefixes next to int32 ones), or a stray write."""
     rng = random.Random(bs)
     size = bs + 5
     case = make_case(rng, bs, size, **flags)
@@ -115,7 +132,13 @@ def bad_cases() -> list[tuple[str, dict[str, Any], str]]:
             {**ok, "prefix_lens": [5, 0], "seq_lens": [6, 2]},
             "'prefix_tensors[0]' must hold prefix_len 5 indices (got 4)",
         ),
-        ("prefix dtype", {**ok, "prefix_tensors": [t.long(), t]}, "'prefix_tensors[0]' must be an int32 tensor"),
+        (
+            "prefix dtype",
+            {**ok, "prefix_tensors": [t.float(), t]},
+            "'prefix_tensors[0]' must be an int32 or int64 tensor on cpu (got torch.float32",
+        ),
+        ("prefix not a tensor", {**ok, "prefix_tensors": [[0, 1, 2], t]}, "(got list)"),
+        ("device lengths", {**ok, "prefix_lens": torch.tensor([2, 0], device="meta")}, "must be host values"),
         ("prefix strided", {**ok, "prefix_tensors": [torch.arange(8, dtype=torch.int32)[::2], t]}, "contiguous"),
         ("prefix device", {**ok, "prefix_tensors": [torch.empty(4, dtype=torch.int32, device="meta"), t]}, "on cpu"),
         ("lengths count", {**ok, "prefix_lens": [2]}, "'prefix_lens' must hold 2 values"),
@@ -144,11 +167,90 @@ def test_bad_inputs_raise_before_anything_is_staged(label: str, kwargs: dict[str
 
 @needs_interpreter
 def test_prefix_tensors_are_retained_until_the_slot_is_reclaimed() -> None:
-    """Catches prefix tensors released while the kernel that reads their addresses may be queued."""
-    rng = random.Random(0)
-    case = make_case(rng, 3, 8)
+    """Catches prefix tensors released while the kernel that reads their addresses may be queued
+    (and the per-tensor check table keeping them alive past that: it must hold weak references)."""
+    case: dict[str, Any] = {
+        "out_cache_loc": torch.arange(3),
+        "req_pool_indices": [4, 0, 2],
+        "prefix_lens": [2, 2, 2],
+        "seq_lens": [3, 3, 3],
+        "extend_lens": [1, 1, 1],
+        "prefix_tensors": [torch.arange(2, dtype=d) for d in (torch.int32, torch.int64, torch.int32)],
+    }
+    refs = [weakref.ref(t) for t in case["prefix_tensors"]]
     rtt = ReqToTokenPool(8, MAX_LEN, "cpu")
     pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=1 << 16))
     write_cache_indices(req_to_token_pool=rtt, pool=pool, backend="triton", **case)
-    retained = [t for group in pool._retained[0] for t in group]
-    assert all(any(t is r for r in retained) for t in case["prefix_tensors"])
+    del case
+    gc.collect()
+    assert all(r() is not None for r in refs)  # the slot that staged their addresses is still in use
+    for _ in range(2):  # the next lap reclaims that slot
+        with pool.stage() as st:
+            st.put([1], torch.int32)
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_a_cached_check_is_redone_when_the_tensor_changes() -> None:
+    """Catches the per-tensor check table trusting a tensor whose storage was swapped
+    (set_ to a shorter one, or to another dtype), or an id reused by a new tensor."""
+    rtt = ReqToTokenPool(8, MAX_LEN, "cpu")
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=4096))
+    t = torch.arange(4, dtype=torch.int64)
+    args: dict[str, Any] = {
+        "out_cache_loc": torch.arange(1, 2),
+        "req_pool_indices": [0],
+        "prefix_lens": [4],
+        "seq_lens": [5],
+        "extend_lens": [1],
+        "prefix_tensors": [t],
+    }
+    write_cache_indices(req_to_token_pool=rtt, pool=pool, backend="torch", **args)
+    t.set_(torch.arange(3, dtype=torch.int64))
+    with pytest.raises(CacheIndexError, match=r"must hold prefix_len 4 indices \(got 3\)"):
+        write_cache_indices(req_to_token_pool=rtt, pool=pool, backend="torch", **args)
+    del t, args["prefix_tensors"]
+    gc.collect()
+    args["prefix_tensors"] = [torch.arange(4, dtype=torch.float64)]  # may reuse the freed id
+    with pytest.raises(CacheIndexError, match="int32 or int64"):
+        write_cache_indices(req_to_token_pool=rtt, pool=pool, backend="torch", **args)
+
+
+def test_cpu_tensor_and_numpy_lengths_are_accepted() -> None:
+    """Catches sglang's *_cpu int64 tensors (or numpy arrays) refused, or read differently from lists."""
+    import numpy as np
+
+    rng = random.Random(5)
+    case = make_case(rng, 6, 9, dtypes=(torch.int64,))
+    want, _ = run(case, "torch", 9)
+    case["prefix_lens"] = torch.tensor(case["prefix_lens"])
+    case["seq_lens"] = np.asarray(case["seq_lens"], dtype=np.int32)
+    got, _ = run(case, "torch", 9)
+    assert torch.equal(got, want)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bs", [1, 6, 65])
+def test_int64_prefixes_match_sglangs_own_call(bs: int) -> None:
+    """Catches int64 radix-cache prefixes written differently from sglang's write_cache_indices
+    (its own code from .sglang/ when present, else the rebuild), e.g. read at int32 width."""
+    from memcache.sglang_ref import caller_path, load, rebuild
+
+    rng = random.Random(40 + bs)
+    size = bs + 3
+    case = make_case(rng, bs, size, dtypes=(torch.int64,))
+    want, _ = run(case, "triton", size)
+    for write in {load()[0], rebuild}:
+        rtt = ReqToTokenPool(size, MAX_LEN, "cpu")
+        rtt.req_to_token.fill_(-7)
+        caller_path(
+            write,
+            case["out_cache_loc"],
+            case["req_pool_indices"],
+            case["prefix_lens"],
+            case["seq_lens"],
+            case["extend_lens"],
+            case["prefix_tensors"],
+            rtt,
+        )
+        assert torch.equal(rtt.req_to_token, want)

@@ -1,0 +1,206 @@
+"""Requests carrying sglang's sampling-param names: equal to the native path, to sglang's own build,
+packed once, and refused with a typed error when bad."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from pinpool import PinnedRingBuffer, PoolSettings
+from sampling import SamplingBatchInfo, SamplingParamError, SamplingParams, sglang_params
+from sampling.sglang_params import ForeignParamsCache
+from sampling.sglang_ref import SglangBatch, SglangParams, SglangReq, load, rebuild
+from tests.fakes import Batch, Req
+
+VOCAB = 60
+FIELDS = ("temperatures", "top_ps", "top_ks", "min_ps", "sampling_seed", "logit_bias")
+
+
+def make_pool() -> PinnedRingBuffer:
+    return PinnedRingBuffer(PoolSettings(device="cpu", num_slots=4, slot_bytes=1 << 18))
+
+
+class Raw:
+    """A plain object with sglang's attribute names, values as a caller wrote them (not normalised)."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.temperature = kw.get("temperature", 1.0)
+        self.top_p = kw.get("top_p", 1.0)
+        self.top_k = kw.get("top_k", -1)
+        self.min_p = kw.get("min_p", 0.0)
+        self.sampling_seed = kw.get("sampling_seed")
+        self.logit_bias = kw.get("logit_bias")
+
+
+def pair(rng: random.Random) -> tuple[Raw, SamplingParams]:
+    """The same settings in sglang's names and in pinpool's."""
+    bias = {rng.randrange(VOCAB): round(rng.uniform(-5, 5), 3) for _ in range(rng.randint(1, 4))}
+    kw = {
+        "temperature": rng.choice([0.0, 1e-7, rng.uniform(0.2, 1.5)]),
+        "top_p": rng.choice([1.0, rng.uniform(0.1, 1.0)]),
+        "top_k": rng.choice([-1, rng.randint(1, VOCAB)]),
+        "min_p": rng.choice([0.0, rng.uniform(0.0, 0.5)]),
+    }
+    seed = rng.choice([None, rng.randint(-(2**63), 2**63 - 1)])
+    use_bias = rng.random() < 0.3
+    raw = Raw(**kw, sampling_seed=seed, logit_bias={str(k): v for k, v in bias.items()} if use_bias else None)
+    return raw, SamplingParams(**kw, seed=seed, logit_bias=bias if use_bias else None)
+
+
+def assert_same(a: Any, b: Any) -> None:
+    for name in FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), name
+    for flag in ("is_all_greedy", "is_any_greedy", "need_top_p_sampling", "need_top_k_sampling"):
+        assert getattr(a, flag) == getattr(b, flag), flag
+    assert a.need_min_p_sampling == b.need_min_p_sampling
+    assert a.max_top_k == b.max_top_k
+
+
+@pytest.mark.parametrize("bs", [1, 7, 999])
+def test_sglang_named_requests_stage_the_same_values_as_native_ones(bs: int) -> None:
+    """Catches a field read under the wrong name, sglang's greedy or top_k=-1 rule not applied,
+    string bias keys or negative seeds refused or mangled."""
+    rng = random.Random(bs)
+    pairs = [pair(rng) for _ in range(bs)]
+    pool = make_pool()
+    foreign = SamplingBatchInfo.from_schedule_batch(
+        Batch([Req(r) for r, _ in pairs]),
+        VOCAB,
+        pool,
+        deterministic=True,  # type: ignore[arg-type]
+    )
+    native = SamplingBatchInfo.from_schedule_batch(Batch([Req(p) for _, p in pairs]), VOCAB, pool, deterministic=True)
+    assert_same(foreign, native)
+
+
+@pytest.mark.parametrize("bs", [1, 33])
+def test_values_equal_sglangs_own_build(bs: int) -> None:
+    """Catches a normalisation or bias rule that differs from sglang's from_schedule_batch
+    (its own code when .sglang/ holds it, else the rebuild)."""
+    rng = random.Random(100 + bs)
+    reqs = []
+    for _ in range(bs):
+        raw, _ = pair(rng)
+        p = SglangParams(raw.temperature, raw.top_p, raw.top_k, raw.min_p, raw.sampling_seed, raw.logit_bias)
+        reqs.append(SglangReq(p))
+    reqs.append(SglangReq(SglangParams(logit_bias={"5": 1.0, "05": -2.5, "7": 0.5})))  # "5" and "05" collide
+    batch = SglangBatch(reqs, torch.device("cpu"))
+    ours = SamplingBatchInfo.from_schedule_batch(batch, VOCAB, make_pool(), deterministic=True)
+    for build in {load()[0], rebuild}:
+        assert_same(ours, build(batch, VOCAB))
+
+
+def test_each_params_object_is_packed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches sglang-named params repacked on every build (per-step host work) instead of cached."""
+    cache = ForeignParamsCache(limit=8)
+    monkeypatch.setattr(sglang_params, "FOREIGN_PARAMS", cache)
+    monkeypatch.setattr("sampling.batch_info.FOREIGN_PARAMS", cache)
+    packed: list[int] = []
+    real = sglang_params.pack_foreign
+    monkeypatch.setattr(
+        sglang_params, "pack_foreign", lambda objs, out=None: packed.append(len(objs)) or real(objs, out)
+    )
+    shared = Raw(top_p=0.5)
+    reqs = [Req(shared), Req(Raw(temperature=0.0)), Req(shared)]  # type: ignore[arg-type]
+    pool = make_pool()
+    for _ in range(3):
+        SamplingBatchInfo.from_schedule_batch(Batch(reqs), VOCAB, pool)
+    assert packed == [2]  # two distinct objects, packed on the first build only
+    reqs.append(Req(Raw(top_k=3)))  # type: ignore[arg-type]
+    SamplingBatchInfo.from_schedule_batch(Batch(reqs), VOCAB, pool)
+    assert packed == [2, 1]
+    many = [Req(Raw()) for _ in range(9)]  # type: ignore[arg-type]
+    SamplingBatchInfo.from_schedule_batch(Batch(many), VOCAB, pool)
+    assert len(cache) == 9  # over its bound, the table starts afresh with the batch at hand
+    SamplingBatchInfo.from_schedule_batch(Batch(reqs), VOCAB, pool)
+    assert packed[-1] == 3 and len(cache) == 3  # and again: never more than the bound, or one batch
+
+
+def test_mixed_native_and_sglang_requests_in_one_batch() -> None:
+    """Catches a batch whose first request is native but later ones are sglang's (or the reverse)
+    failing, or taking the wrong record for a row."""
+    rng = random.Random(7)
+    pairs = [pair(rng) for _ in range(6)]
+    mixed = [Req(p if i % 2 else r) for i, (r, p) in enumerate(pairs)]  # type: ignore[arg-type]
+    pool = make_pool()
+    got = SamplingBatchInfo.from_schedule_batch(Batch(mixed), VOCAB, pool, deterministic=True)
+    want = SamplingBatchInfo.from_schedule_batch(Batch([Req(p) for _, p in pairs]), VOCAB, pool, deterministic=True)
+    assert_same(got, want)
+    got = SamplingBatchInfo.from_schedule_batch(Batch(mixed[1:]), VOCAB, pool, deterministic=True)
+    want = SamplingBatchInfo.from_schedule_batch(Batch([Req(p) for _, p in pairs[1:]]), VOCAB, pool, deterministic=True)
+    assert_same(got, want)
+
+
+def test_none_means_sglangs_default() -> None:
+    """Catches a None field (sglang's "use the default") refused or staged as NaN."""
+    info = SamplingBatchInfo.from_schedule_batch(
+        Batch([Req(Raw(temperature=None, top_p=None, top_k=None, min_p=None))]),  # type: ignore[arg-type]
+        VOCAB,
+        make_pool(),
+        deterministic=True,
+    )
+    assert_same(
+        info,
+        SamplingBatchInfo.from_schedule_batch(Batch([Req(SamplingParams())]), VOCAB, make_pool(), deterministic=True),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"top_p": 1.5}, "'top_p' of request 1 must be in (0, 1] (got 1.5)"),
+        ({"temperature": float("nan")}, "'temperature' of request 1 must be finite and >= 0 (got nan)"),
+        ({"temperature": "hot"}, "'temperature' of request 1 must be a real number (got 'hot')"),
+        ({"top_k": 0}, "'top_k' of request 1 must be >= 1, or -1 for all tokens (got 0)"),
+        ({"top_k": 2.5}, "'top_k' of request 1 must be an int (got 2.5)"),
+        ({"min_p": -0.5}, "'min_p' of request 1 must be in [0, 1] (got -0.5)"),
+        ({"sampling_seed": 2**64}, "'sampling_seed' of request 1 must be in [-2**63, 2**63)"),
+        ({"logit_bias": {"x": 1.0}}, "'logit_bias' keys of request 1 must be token ids (got 'x')"),
+        ({"logit_bias": {"-2": 1.0}}, "'logit_bias' token ids of request 1 must be ints >= 0 (got '-2')"),
+        ({"logit_bias": {"3": float("inf")}}, "'logit_bias' values of request 1 must be finite (got inf for token 3)"),
+        ({"logit_bias": [1]}, "'logit_bias' of request 1 must be a mapping"),
+    ],
+)
+@pytest.mark.parametrize("bs", [2, sglang_params.SMALL_BATCH + 5])
+def test_bad_sglang_values_raise_and_nothing_is_staged_or_cached(kw: dict[str, Any], message: str, bs: int) -> None:
+    """Catches a bad value reaching the device, half a batch cached before the error, or the
+    small-batch and numpy packers applying different rules."""
+    cache = ForeignParamsCache()
+    objs = [Raw(), Raw(**kw)] + [Raw() for _ in range(bs - 2)]
+    with pytest.raises(SamplingParamError) as info:
+        cache.records(objs)
+    assert message in str(info.value)
+    assert len(cache) == 0
+    pool = make_pool()
+    with pytest.raises(SamplingParamError):
+        SamplingBatchInfo.from_schedule_batch(Batch([Req(o) for o in objs]), VOCAB, pool)  # type: ignore[arg-type]
+    assert pool.stats().copies == 0
+
+
+def test_small_and_numpy_packers_give_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches the one-by-one packer (small batches) and the numpy packer drifting apart: flags,
+    float32 rounding, greedy and top_k = -1 rules, None defaults, bias counts."""
+    rng = random.Random(3)
+    objs: list[Any] = [pair(rng)[0] for _ in range(sglang_params.SMALL_BATCH)]
+    objs += [Raw(temperature=None, top_p=None, top_k=None, min_p=None), Raw(top_k=40.0, top_p=0.99999999)]
+    small = [sglang_params.pack_foreign(objs[i : i + 1]) for i in range(len(objs))]
+    monkeypatch.setattr(sglang_params, "SMALL_BATCH", 0)
+    rec, biases = sglang_params.pack_foreign(objs)
+    assert rec.tobytes() == b"".join(r.tobytes() for r, _ in small)
+    assert biases == {i: b[0] for i, (_, b) in enumerate(small) if b}
+
+
+def test_an_object_without_sglangs_fields_is_named() -> None:
+    """Catches an AttributeError (or a silent default) for params that are neither pinpool's nor sglang's."""
+
+    class Half:
+        temperature = 1.0
+
+    with pytest.raises(SamplingParamError, match="must carry sglang's field 'top_p'"):
+        ForeignParamsCache().records([Half()])
