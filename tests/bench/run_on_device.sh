@@ -13,47 +13,51 @@ export PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 } | tee "$LOGS/device.txt"
-python3 -m pytest tests/gpu -q -p no:cacheprovider -rs --durations=8 2>&1 | tee "$LOGS/gpu_tests.log" | tail -25
+# Each phase has its own time box (PINPOOL_BOX_SCALE stretches them) so that one slow phase
+# cannot eat the device tool's 10-minute call and lose the logs of the others.
+box() { timeout "$(( $1 * ${PINPOOL_BOX_SCALE:-1} ))" "${@:2}"; }
+box 150 python3 -m pytest tests/gpu -q -p no:cacheprovider -rs --durations=8 2>&1 | tee "$LOGS/gpu_tests.log" | tail -25
 gpu_rc=${PIPESTATUS[0]}
-# Unit tests run the Triton kernels through the interpreter on CPU tensors, as CI does.
-TRITON_INTERPRET=1 python3 -m pytest tests/unit -q -p no:cacheprovider 2>&1 | tee "$LOGS/unit_tests.log" | tail -2
-unit_rc=${PIPESTATUS[0]}
 old_rc=skipped
 if [ -d .old/pinpool ]; then
   # The stream regression tests against the carried earlier code: each must fail there.
   cp tests/gpu/test_streams_cuda.py .old/old_test_streams.py
-  (cd .old && python3 -m pytest -q -p no:cacheprovider -c /dev/null --rootdir=. old_test_streams.py \
+  (cd .old && timeout 60 python3 -m pytest -q -p no:cacheprovider -c /dev/null --rootdir=. old_test_streams.py \
     -k "case1 or case2 or case3") >"$LOGS/old_code_streams.log" 2>&1
   old_rc=$?
   # The earlier code's own per-site breakdown, with its direct-cudart and torch rows (the A/B).
   if [ -f .old/tests/gpu/decode_breakdown.py ]; then
-    (cd .old && PYTHONPATH=".:${PYTHONPATH:-}" python3 tests/gpu/decode_breakdown.py) >"$LOGS/old_code_breakdown.txt" 2>&1
+    (cd .old && PYTHONPATH=".:${PYTHONPATH:-}" timeout 60 python3 tests/gpu/decode_breakdown.py) >"$LOGS/old_code_breakdown.txt" 2>&1
   fi
 fi
 bench_start=$SECONDS
 # --plot only where matplotlib is installed: without it the bench refuses to start.
 plot=(); python3 -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/bench.png")
-python3 -m pinpool.bench.cli bench --json "$LOGS/bench.json" "${plot[@]}" "$@" 2>"$LOGS/bench.err" | tee "$OUT/bench.txt"
+box 240 python3 -m pinpool.bench.cli bench --json "$LOGS/bench.json" "${plot[@]}" "$@" 2>"$LOGS/bench.err" | tee "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 bench_seconds=$((SECONDS - bench_start))
 soak_rc=skipped
 if [ -n "${PINPOOL_SOAK:-}" ]; then
   # PINPOOL_SOAK_ARGS, e.g. "--decode-steps 2000", shortens a soak for a quick re-check.
-  python3 tests/bench/soak.py --json "$LOGS/soak.json" ${PINPOOL_SOAK_ARGS:-} 2>&1 | tee "$LOGS/soak.txt" | tail -5
+  box 60 python3 tests/bench/soak.py --json "$LOGS/soak.json" ${PINPOOL_SOAK_ARGS:-} 2>&1 | tee "$LOGS/soak.txt" | tail -5
   soak_rc=${PIPESTATUS[0]}
 fi
 two_rc=skipped
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-  torchrun --nproc-per-node 2 -m engine.distributed 2>&1 | tee "$LOGS/two_gpu.txt" | tail -3
+  box 60 torchrun --nproc-per-node 2 -m engine.distributed 2>&1 | tee "$LOGS/two_gpu.txt" | tail -3
   two_rc=${PIPESTATUS[0]}
 fi
 # Where a decode step's staging time goes, per site and mode (diagnostic; ~15 s).
-python3 tests/bench/decode_breakdown.py >"$LOGS/breakdown.txt" 2>&1
+box 45 python3 tests/bench/decode_breakdown.py >"$LOGS/breakdown.txt" 2>&1
 if [ -n "${PINPOOL_PROFILE:-}" ]; then python3 tests/bench/profile_hot_paths.py >"$LOGS/profile.txt" 2>&1; fi
 for diag in ${PINPOOL_DIAG:-}; do
   echo "== $diag"
   python3 "tests/bench/$diag.py" 2>&1 | tee "$LOGS/$diag.txt"
 done
+# Unit tests run the Triton kernels through the interpreter on CPU tensors, as CI does, but
+# with this machine's triton: last, since CI runs them too.
+TRITON_INTERPRET=1 box 100 python3 -m pytest tests/unit -q -p no:cacheprovider 2>&1 | tee "$LOGS/unit_tests.log" | tail -2
+unit_rc=${PIPESTATUS[0]}
 old_line=skipped
 if [ "$old_rc" != skipped ]; then
   old_line="rc=$old_rc  $(grep -cE '^FAILED' "$LOGS/old_code_streams.log") failed there, $(grep -cE 'passed' "$LOGS/old_code_streams.log") passing lines (each must fail)"
