@@ -107,19 +107,22 @@ def write(dst: np.ndarray[Any, Any] | torch.Tensor, src: Any, target: torch.dtyp
     write_list(dst, src, target, name)
 
 
-_STRUCT_CODE = {torch.int64: "q", torch.int32: "i"}
+# Lists of these dtypes go through ``struct`` first (``pack_list``).
+_STRUCT_CODE = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d"}
 _structs: dict[tuple[str, int], struct.Struct] = {}
 
 
-def pack_int_list(buffer: memoryview, offset: int, values: list[Any], target: torch.dtype) -> bool:
-    """Write a list of ints as int32 / int64 at ``buffer[offset:]``; False when not written exactly.
+def pack_list(buffer: memoryview, offset: int, values: list[Any], target: torch.dtype) -> bool:
+    """Write a list of numbers as ``target`` at ``buffer[offset:]``; False when struct will not take it.
 
-    ``struct`` checks each element itself (ints and ``__index__`` types only, in range),
-    so exactness needs no second pass. Inside a decode loop it costs about half of
-    numpy's list parsing plus the ``sum`` witness in ``write_list`` (measured with
-    tests/gpu/step_phases.py on an H200 host). On False, possibly after writing part of
-    the range (still beyond the stage's committed bytes), the caller goes through
-    ``write_list``, which raises the typed error or writes what struct would not take.
+    ``struct`` checks each element itself: ints (and ``__index__`` types) in range for
+    int32 / int64, so exactness needs no second pass; for floats, numbers rounded to the
+    nearest float32 / float64, and an ``OverflowError`` for a finite value too large for
+    float32 (where numpy would write inf and need a second pass to notice). Inside a
+    decode loop it costs about half of numpy's list parsing plus the witness checks of
+    ``write_list``. On False, possibly after writing part of the range (still beyond the
+    stage's committed bytes), the caller goes through ``write_list``, which raises the
+    typed error or writes what struct would not take.
     """
     code = _STRUCT_CODE.get(target)
     if code is None:

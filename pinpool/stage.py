@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pinpool.encode import NUMPY_DTYPE, as_source, check_dtype, pack_int_list, write, write_list
+from pinpool.encode import NUMPY_DTYPE, as_source, check_dtype, pack_list, write, write_list
 from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
 from pinpool.settings import OverflowPolicy
 from pinpool.slots import SlotLayout
@@ -138,7 +138,7 @@ class Stage:
             if end <= self._capacity:
                 first = start // itemsize
                 layout = self._layout
-                if not pack_int_list(layout.host_bytes, layout.host_base + start, values, dtype):
+                if not pack_list(layout.host_bytes, layout.host_base + start, values, dtype):
                     write_list(layout.host[dtype][first : first + numel], values, dtype, name)
                 device = self._device_view(dtype, first, numel)
                 self._end = end

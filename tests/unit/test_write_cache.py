@@ -232,15 +232,16 @@ def test_cpu_tensor_and_numpy_lengths_are_accepted() -> None:
 @needs_interpreter
 @pytest.mark.parametrize("bs", [1, 6, 65])
 def test_int64_prefixes_match_sglangs_own_call(bs: int) -> None:
-    """Catches int64 radix-cache prefixes written differently from sglang's write_cache_indices
-    (its own code from .sglang/ when present, else the rebuild), e.g. read at int32 width."""
-    from memcache.sglang_ref import caller_path, load, rebuild
+    """Catches int64 radix-cache prefixes written differently from sglang's write_cache_indices, e.g. read at
+    int32 width. Against the rebuild: sglang's own kernel does not run under every Triton interpreter (3.6 fails
+    on it), so the comparison with its real code is the GPU test in tests/gpu/test_sglang_dropin_cuda.py."""
+    from memcache.sglang_ref import caller_path, rebuild
 
     rng = random.Random(40 + bs)
     size = bs + 3
     case = make_case(rng, bs, size, dtypes=(torch.int64,))
     want, _ = run(case, "triton", size)
-    for write in {load()[0], rebuild}:
+    for write in (rebuild,):
         rtt = ReqToTokenPool(size, MAX_LEN, "cpu")
         rtt.req_to_token.fill_(-7)
         caller_path(

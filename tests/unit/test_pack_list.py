@@ -1,4 +1,4 @@
-"""The struct fast path for int lists: exact values, and every refusal falls back to the typed checks."""
+"""The struct fast path for number lists: exact ints, numpy-equal floats; every refusal falls back to the checks."""
 
 from __future__ import annotations
 
@@ -70,3 +70,23 @@ def test_arrays_just_past_the_integer_range_are_refused(dtype: torch.dtype, valu
     p = pool()
     with p.stage() as st, pytest.raises(StagingValueError, match="must fit"):
         st.put(values, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_float_lists_land_as_numpy_would_round_them(dtype: torch.dtype) -> None:
+    """Catches a float packing code that rounds, orders or places values differently from numpy's cast."""
+    rng = np.random.default_rng(3)
+    values = [*rng.standard_normal(37).tolist(), 0.1, -0.0, 1e-45, 3.4028234e38, 7, True, float("inf"), float("nan")]
+    p = pool()
+    with p.stage() as st:
+        st.put([1], torch.int32)  # an unaligned start for the next field
+        got = st.put(values, dtype)
+    want = np.array(values, dtype=np.float64).astype({torch.float32: np.float32, torch.float64: np.float64}[dtype])
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_a_float_too_large_for_float32_is_refused_not_written_as_inf() -> None:
+    """Catches 1e39 landing as inf in a float32 field (struct refuses it; the typed check must then raise)."""
+    p = pool()
+    with p.stage() as st, pytest.raises(StagingValueError, match="must fit float32"):
+        st.put([1.0, 1e39], torch.float32)
