@@ -73,7 +73,9 @@ def no_sync() -> Iterator[None]:
     orig_to, orig_copy, orig_cuda = torch.Tensor.to, torch.Tensor.copy_, torch.Tensor.cuda
 
     def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        device, _dtype, non_blocking, _fmt = torch._C._nn._parse_to(*args, **kwargs)
+        # ``copy=`` is a keyword of Tensor.to that the argument parser below does not take.
+        parse = {k: v for k, v in kwargs.items() if k != "copy"}
+        device, _dtype, non_blocking, _fmt = torch._C._nn._parse_to(*args, **parse)
         if device is not None:
             check_copy(self, torch.device(device), bool(non_blocking))
         return orig_to(self, *args, **kwargs)

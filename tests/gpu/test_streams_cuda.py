@@ -64,6 +64,9 @@ def test_inverted_order_the_stage_on_an_idle_side_stream_does_not_wait_for_the_b
     pool = _pool()
     side = torch.cuda.Stream()
     got = torch.empty(N, dtype=torch.int32, device="cuda:0")  # allocated now: a cudaMalloc later would sync
+    for _ in range(2):  # both slots used on ``side`` once: the mirror's allocation stream is no longer their last
+        with pool.stage(stream=side) as st:
+            st.put([0], torch.int32)
     torch.cuda.synchronize()
     torch.cuda._sleep(LAG)  # the current stream is busy
     with pool.stage(stream=side) as st:

@@ -78,3 +78,10 @@ def test_no_sync_wraps_the_real_copy_entry_points() -> None:
         torch.ones(3).to(torch.device("cuda", 0))
     with no_sync(), pytest.raises(HostSyncError, match="pageable"):
         torch.ones(3).cuda(non_blocking=True)
+
+
+def test_to_with_the_copy_keyword_is_allowed_inside_no_sync() -> None:
+    """Catches the guard's own argument parsing rejecting ``Tensor.to(..., copy=True)`` (a CPU copy, no sync)."""
+    with no_sync():
+        out = torch.ones(3).to(torch.float64, copy=True)
+    assert out.dtype == torch.float64
