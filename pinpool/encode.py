@@ -145,7 +145,10 @@ def write_list(dst: np.ndarray[Any, Any], src: Any, target: torch.dtype, name: s
     kind = dst.dtype.kind
     if kind == "f":
         try:
-            dst[:] = src
+            # Overflow is detected below and raised as a typed error: numpy's own
+            # RuntimeWarning would only repeat it, in the user's log.
+            with np.errstate(over="ignore"):
+                dst[:] = src
         except (ValueError, TypeError) as exc:
             raise StagingValueError(f"'{name}' must hold only numbers ({exc})") from exc
         # Narrowing can overflow to inf silently. A finite sum proves every element is
