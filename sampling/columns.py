@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from pinpool import PinnedRingBuffer
+from pinpool.slots import BoundedCache
 from sampling.params import RECORD_DTYPE
 
 #: int32 words per request in the block.
@@ -65,22 +66,21 @@ def views(block: torch.Tensor, bs: int) -> Columns:
 # their views are the same memory, so they are built once. Keyed by the block's address
 # and batch size; only ring memory (owned by the pool for its whole life) is cached,
 # never owned buffers, whose addresses the allocator reuses. The table lives as long as
-# its pool (weak key) and is cleared when it reaches its bound.
-_RING_VIEWS: weakref.WeakKeyDictionary[PinnedRingBuffer, dict[tuple[int, int], Columns]] = weakref.WeakKeyDictionary()
-_RING_VIEWS_LIMIT = 256
+# its pool (weak key) and follows the pool's one cache rule (``BoundedCache``).
+_RING_VIEWS: weakref.WeakKeyDictionary[PinnedRingBuffer, BoundedCache[tuple[int, int], Columns]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def ring_views(block: torch.Tensor, bs: int, pool: PinnedRingBuffer) -> Columns:
     """``views`` of a block in a ring slot, reusing the view objects of earlier laps."""
     cache = _RING_VIEWS.get(pool)
     if cache is None:
-        cache = _RING_VIEWS[pool] = {}
+        cache = _RING_VIEWS[pool] = BoundedCache()
     key = (block.data_ptr(), bs)
     hit = cache.get(key)
     if hit is None:
-        if len(cache) >= _RING_VIEWS_LIMIT:
-            cache.clear()
-        hit = cache[key] = views(block, bs)
+        hit = cache.put(key, views(block, bs))
     return hit
 
 
