@@ -24,7 +24,9 @@ META_ROWS = 5
 BLOCK = 256
 
 
-@triton.jit
+# bs and row_stride change with every batch and pool: specialising them (== 1, % 16) would
+# compile a variant per class of value and test both on every launch, for no faster code.
+@triton.jit(do_not_specialize=["bs", "row_stride"])
 def _write_req_to_token_kernel(
     req_to_token_ptr,  # int32 [num_rows, row_stride]
     meta_ptr,  # int64 [5, bs]: row, prefix_len, seq_len, start offset, prefix data_ptr | int64 tag

@@ -255,3 +255,45 @@ def test_int64_prefixes_match_sglangs_own_call(bs: int) -> None:
             rtt,
         )
         assert torch.equal(rtt.req_to_token, want)
+
+
+@pytest.mark.parametrize("bs", [0, 1, 7, 48])
+def test_small_batch_pass_builds_the_vectorised_metadata(bs: int) -> None:
+    """Catches the plain-Python pass for small batches (lists only) building metadata that differs from
+    the vectorised checks' (a start offset, a row order or a tagged address), or keeping other tensors alive."""
+    from memcache import write_cache
+
+    assert bs <= write_cache.SMALL_BATCH
+    rng = random.Random(70 + bs)
+    size = bs + 4
+    case = make_case(rng, bs, size, dtypes=(torch.int32, torch.int64))
+    rtt = ReqToTokenPool(size, MAX_LEN, "cpu")
+    names = ("req_pool_indices", "prefix_lens", "seq_lens", "extend_lens")
+    lengths = tuple(case[k] for k in names)
+    args = (lengths, bs, case["out_cache_loc"], case["prefix_tensors"], rtt)
+    small = write_cache._small_batch_meta(*args)
+    assert small is not None
+    table, kept = write_cache._batch_meta(*args)
+    assert small[0] == table.tolist()
+    assert [id(t) for t in small[1]] == [id(t) for t in kept]
+    with_prefix = [t for p, t in zip(case["prefix_lens"], case["prefix_tensors"], strict=True) if p]
+    assert [id(t) for t in kept] == [id(t) for t in with_prefix]
+
+
+@pytest.mark.parametrize(("label", "kwargs", "message"), bad_cases(), ids=[c[0] for c in bad_cases()])
+def test_bad_inputs_raise_the_same_on_the_vectorised_path(label: str, kwargs: dict[str, Any], message: str) -> None:
+    """Catches a rule only the small-batch pass enforces: each bad case, given as numpy arrays where it was
+    lists (which the small pass never takes), must raise the same message."""
+    import numpy as np
+
+    arrays: dict[str, Any] = {
+        k: np.asarray(v) if isinstance(v, list) and k != "prefix_tensors" else v for k, v in kwargs.items()
+    }
+    if label == "float lengths":
+        arrays["extend_lens"] = np.asarray([1.5, 2])
+    rtt = ReqToTokenPool(8, MAX_LEN, "cpu")
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=4096))
+    with pytest.raises(CacheIndexError) as info:
+        write_cache_indices(req_to_token_pool=rtt, pool=pool, backend="triton", **arrays)
+    assert message in str(info.value)
+    assert pool.stats().copies == 0
