@@ -44,7 +44,7 @@ def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     dev = torch.device("cuda", 0)
     pool = PinnedRingBuffer(PoolSettings(device=dev, num_slots=8, slot_bytes=1 << 20))
-    for bs in (1, 256):
+    for bs in (1, 64, 1024):
         case = make_case(bs, dev)
         rtt = ReqToTokenPool(bs, 256, dev)
         profile(f"write_cache_indices bs={bs}", partial(write_cache_indices, req_to_token_pool=rtt, pool=pool, **case))
