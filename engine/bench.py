@@ -1,4 +1,7 @@
-"""The decode-loop workload of ``pinpool bench``: the reference engine in all four modes.
+"""The decode-loop workload of ``pinpool bench``: the reference engine in every mode.
+
+``pool-zc`` (the decode exchange in a zero-copy stage) runs on CUDA only, where the pool's
+platform check passed; a table note says when it was skipped and why.
 
 Per mode: host µs per decode step (median iteration wall time in steady decode), GPU-idle
 share (CUDA events around each step's device work), tokens/s, and, from a separate
@@ -20,6 +23,7 @@ from engine.loop import Engine, EngineConfig
 from engine.model import ModelConfig
 from engine.requests import Request, Workload, make_requests
 from engine.uploader import MODES, Mode
+from pinpool import PinnedRingBuffer, PoolSettings
 from pinpool.bench.kit import BenchContext, Spread, Table, host_allocs, ratio
 
 WARM_STEPS = 3
@@ -130,6 +134,34 @@ def _count(ctx: BenchContext, mode: Mode, running: int, gpu_work_us: float, cycl
     }
 
 
+def zero_copy_refusal(device: torch.device) -> str | None:
+    """Why zero-copy stages are refused on ``device`` (the pool's start-up check), or None when they work."""
+    pool = PinnedRingBuffer(PoolSettings.from_env(device=device, num_slots=2, slot_bytes=4096, zero_copy=True))
+    pool.close()
+    return None if pool.platform.zero_copy_ok else pool.platform.reason
+
+
+def _modes(ctx: BenchContext) -> tuple[list[Mode], str | None]:
+    """The modes to run, and a note on pool-zc: it runs on CUDA with ``pool``, where zero-copy passed its check."""
+    modes: list[Mode] = [m for m in MODES if m in ctx.modes]
+    if "pool" not in modes:
+        return modes, None
+    if not ctx.is_cuda:
+        return (
+            modes,
+            "pool-zc (the decode exchange in a zero-copy stage) runs on CUDA only: a CPU pool copies plain memory",
+        )
+    refusal = zero_copy_refusal(ctx.device)
+    if refusal is not None:
+        return modes, f"pool-zc skipped: the platform check refused zero-copy stages here ({refusal})"
+    modes.append("pool-zc")
+    return modes, (
+        "pool-zc = pool with the decode step's exchange (rows and positions up, tokens back) in a zero-copy "
+        "stage: no upload copy; the req_to_token write, the forward and the sampler read rows/positions in the "
+        "pinned slot over PCIe, launched before the stage closes"
+    )
+
+
 SPREAD_KEYS = ("host_us", "staging_us", "wait_us", "gpu_us", "tokens_per_s")
 
 
@@ -152,7 +184,7 @@ def workload(ctx: BenchContext) -> list[Table]:
     cuda = ctx.is_cuda
     sizes = ctx.running or ((64, 256) if cuda else (8,))
     steps = ctx.steps or (32 if cuda else 12)
-    modes = [m for m in MODES if m in ctx.modes]
+    modes, zero_copy_note = _modes(ctx)
     cycles = sleep_cycles_per_us(ctx.device) if cuda else 0.0
     tables = []
     # 1 ms of GPU work is the issue's setting; 3 ms also clears the eager sampler's ~1 ms of
@@ -203,6 +235,12 @@ def workload(ctx: BenchContext) -> list[Table]:
             share = ratio(combined["pool"]["staging_us"], combined["pinned"]["staging_us"])
             if share is not None:
                 notes[1] += f"; pool / pinned staging = {share:.2f} (medians)"
+        if zero_copy_note is not None:
+            notes.append(zero_copy_note)
+            if "pool-zc" in combined:
+                share = ratio(combined["pool"]["staging_us"], combined["pool-zc"]["staging_us"])
+                if share is not None:
+                    notes[-1] += f"; pool / pool-zc staging = {share:.2f} (medians)"
         if work:
             notes.append(
                 f"GPU-bound: the model is replaced by {work:.0f} µs of GPU sleep per step (torch.cuda._sleep, "

@@ -1,4 +1,4 @@
-"""The reference decode loop: one pool per worker, staging in one of four modes.
+"""The reference decode loop: one pool per worker, staging in one of five modes (``engine.uploader``).
 
 Each iteration launches one step (a prefill of newly admitted requests, else a decode of
 the running batch), queues the read-back of its tokens, and only then reads the previous
@@ -20,7 +20,7 @@ from engine.baseline import PerFieldSamplingInfo, write_cache_per_field
 from engine.model import KVCache, ModelConfig, SleepModel, TinyDecoder
 from engine.readback import Pending, TokenReader
 from engine.requests import Request
-from engine.uploader import Mode, Uploader
+from engine.uploader import POOL_MODES, Mode, Uploader
 from memcache import ReqToTokenPool, TokenToKVPoolAllocator, allocate_extend, write_cache_indices
 from pinpool import PinnedRingBuffer, PoolSettings, Stage
 from sampling import Sampler, SamplingBatchInfo
@@ -58,7 +58,15 @@ class _Batch:
 class Engine:
     def __init__(self, model_cfg: ModelConfig, mode: Mode, device: torch.device, cfg: EngineConfig) -> None:
         self.cfg, self.model_cfg, self.mode, self.device = cfg, model_cfg, mode, device
-        self.pool = PinnedRingBuffer(PoolSettings.from_env(device=device, num_slots=8, slot_bytes=1 << 20))
+        #: pool-zc: the decode exchange is a zero-copy stage (the platform check runs once, here).
+        self.zero_copy = mode == "pool-zc"
+        self.pooled = mode in POOL_MODES
+        self.pool = PinnedRingBuffer(
+            PoolSettings.from_env(device=device, num_slots=8, slot_bytes=1 << 20, zero_copy=self.zero_copy)
+        )
+        if self.zero_copy and not self.pool.platform.zero_copy_ok:
+            self.pool.close()
+            raise self.pool.platform.refusal(device)  # PlatformError saying why; the copy modes still work
         self.uploader = Uploader(mode, device, self.pool)
         self.reader = TokenReader(mode, self.pool)
         cycles = int(cfg.gpu_work_us * cfg.sleep_cycles_per_us)
@@ -161,7 +169,7 @@ class Engine:
         for r, row, p in zip(reqs, rows, prefix_lens, strict=True):
             r.row, r.seq_len, r.owned_from = row, len(r.prompt), p
         with self.staging("prefill.write_cache"):
-            if self.mode == "pool":
+            if self.pooled:
                 write_cache_indices(out_cache_loc, rows, prefix_lens, seq, extend, prefix_tensors, self.rtt, self.pool)
             else:
                 write_cache_per_field(
@@ -219,10 +227,14 @@ class Engine:
         # kernel launch) still closes it, and a flushed copy still gets its fence.
         try:
             with self.staging("decode.upload"):
-                if self.mode == "pool":
+                if self.pooled:
                     # One slot for the step, both ways: the metadata up now, the tokens back
-                    # after the sampler, one fence (Stage.readback).
-                    exchange = self.pool.stage()
+                    # after the sampler, one fence (Stage.readback). pool-zc: a zero-copy
+                    # stage, so flush() issues nothing and the kernels _launch_decode queues
+                    # (the req_to_token write, the forward, the sampler) read rows and
+                    # positions in the pinned slot; they are launched before the read-back
+                    # and the close, so the slot's fence, recorded at close, follows them.
+                    exchange = self.pool.stage(zero_copy=self.zero_copy)
                     rows_d, positions_d = exchange.put(rows, torch.int64), exchange.put(positions, torch.int64)
                     exchange.flush()
                 else:
@@ -276,7 +288,7 @@ class Engine:
             self.times.gpu_events.append((start, end))
 
     def _sampling_info(self, reqs: list[Request]) -> Any:
-        if self.mode == "pool":
+        if self.pooled:
             batch = _Batch(reqs, self.device)
             return SamplingBatchInfo.from_schedule_batch(
                 batch, self.model_cfg.vocab_size, self.pool, owned=True, deterministic=True

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engine.uploader import Mode
+from engine.uploader import POOL_MODES, Mode
 from pinpool import PinnedRingBuffer, Readback
 
 Pending = Callable[[], list[int]]
@@ -22,6 +22,7 @@ Pending = Callable[[], list[int]]
 class TokenReader:
     def __init__(self, mode: Mode, pool: PinnedRingBuffer) -> None:
         self.mode = mode
+        self._pooled = mode in POOL_MODES
         self.pool = pool
         self.waits = 0  # host waits that actually blocked (plus every sync-mode read)
         self.wait_seconds = 0.0
@@ -31,7 +32,7 @@ class TokenReader:
 
     def start(self, tokens: torch.Tensor) -> Pending:
         """Queue the copy of ``tokens`` (int64 [n], device) now; the returned call reads it."""
-        if self.mode == "pool":
+        if self._pooled:
             return self.wrap(self.pool.readback(tokens))
         if self.mode == "sync" or not self._cuda:
 

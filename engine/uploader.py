@@ -5,7 +5,12 @@
   (sglang PR #28076): no sync, a pinned allocation and a copy per field;
 - ``persistent``: one persistent pinned buffer per field and site, one event wait per
   site use before it is rewritten, a copy per field (the vLLM V1 runner's shape);
-- ``pool``: one ``PinnedRingBuffer`` stage, one copy for all fields.
+- ``pool``: one ``PinnedRingBuffer`` stage, one copy for all fields;
+- ``pool-zc``: ``pool`` at every site, except the decode step's exchange (rows and
+  positions up, tokens back), which is a zero-copy stage: no upload copy, the step's
+  kernels read the pinned slot in place (``engine.loop``). Its pool is created with
+  ``PoolSettings(zero_copy=True)``; on a platform that refused zero-copy the engine
+  refuses the mode at creation (``PlatformError``).
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ import torch
 
 from pinpool import PinnedRingBuffer
 
-Mode = Literal["sync", "pinned", "persistent", "pool"]
-MODES: tuple[Mode, ...] = ("sync", "pinned", "persistent", "pool")
+Mode = Literal["sync", "pinned", "persistent", "pool", "pool-zc"]
+MODES: tuple[Mode, ...] = ("sync", "pinned", "persistent", "pool", "pool-zc")
+#: The modes that stage through the pool's one-copy paths (uploads, batch builds, read-backs).
+POOL_MODES: frozenset[Mode] = frozenset(("pool", "pool-zc"))
 Fields = Sequence[tuple[Any, torch.dtype]]
 
 
@@ -31,6 +38,7 @@ class Uploader:
         if mode not in MODES:
             raise ValueError(f"'mode' must be one of {', '.join(MODES)} (got {mode!r})")
         self.mode = mode
+        self._pooled = mode in POOL_MODES
         self.device = device
         self.pool = pool
         self._pin = device.type == "cuda"
@@ -40,7 +48,7 @@ class Uploader:
         self.wait_seconds = 0.0
 
     def upload(self, site: str, fields: Fields) -> list[torch.Tensor]:
-        if self.mode == "pool":
+        if self._pooled:
             with self.pool.stage() as st:
                 return [st.put(values, dtype) for values, dtype in fields]
         if self.mode == "sync":

@@ -6,6 +6,11 @@ batch joins the records, writes them into a pool slot as contiguous columns
 (``sampling.columns``) plus any sparse logit-bias entries (``sampling.logit_bias``), and
 lands them in one copy. Flags are computed from the host copy of the records: no device
 value is ever read back.
+
+``from_schedule_batch(..., stage=st)`` builds into a stage the caller already holds open
+instead: the batch then shares that stage's one copy (a ring stage), or is read in place
+with no copy at all (a zero-copy stage, ``pool.stage(zero_copy=True)``). Such a batch lives
+only for its stage (see ``from_schedule_batch``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import attrs
 import numpy as np
 import torch
 
-from pinpool import DeviceMismatchError, PinnedRingBuffer, Stage
+from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolStateError, Stage, ZeroCopyStage
 from sampling import columns
 from sampling.exceptions import BatchMismatchError
 from sampling.logit_bias import BiasOf, SparseLogitBias, merged_block
@@ -70,6 +75,9 @@ class SamplingBatchInfo:
     sparse_logit_bias: SparseLogitBias | None = None
     #: (OR, AND) of the rows' flag bits when the caller already reduced them.
     flag_bits: tuple[int, int] | None = attrs.field(default=None, repr=False)
+    #: Built into a caller's stage (``from_schedule_batch(stage=...)``): ``lease`` is that
+    #: stage, and the batch lives only for it (no filter or merge).
+    stage_bound: bool = False
     temperatures: torch.Tensor = attrs.field(init=False)  # float32 [bs, 1], contiguous
     top_ps: torch.Tensor = attrs.field(init=False)  # float32 [bs], contiguous
     top_ks: torch.Tensor = attrs.field(init=False)  # int32 [bs], contiguous
@@ -95,12 +103,27 @@ class SamplingBatchInfo:
         *,
         owned: bool = False,
         deterministic: bool = False,
+        stage: Stage | None = None,
     ) -> SamplingBatchInfo:
         """Stage ``batch``'s sampling parameters in one copy.
 
         ``owned=False`` leaves the tensors in a ring slot: valid for ``num_slots`` stages,
         no allocation. ``owned=True`` copies them (still one copy) into device memory the
         batch owns, for a batch that lives across decode steps (design invariant 5).
+
+        ``stage``: an open stage of ``pool`` to build into instead of opening one; the
+        batch's tensors are then that stage's views and the batch **lives only for that
+        stage**:
+
+        - a zero-copy stage (``pool.stage(zero_copy=True)``): no copy; launch every reader
+          (the sampler, ``apply_logits_bias``, ``logit_bias``) *before the stage closes*.
+          After close ``check_live`` (so the sampler) raises ``StaleLeaseError``;
+        - a ring stage (``pool.stage()``): the values land with the stage's one copy, so
+          launch readers after ``st.flush()`` or after close (earlier, ``check_live``
+          raises ``PoolStateError``), within the ring's ``num_slots`` claims.
+
+        ``filter_batch`` / ``merge_batch`` refuse such a batch. Not with ``owned=True``,
+        nor with an owned stage (build an owned batch without ``stage`` instead).
         """
         reqs = batch.reqs
         bs = len(reqs)
@@ -119,6 +142,10 @@ class SamplingBatchInfo:
             n_bias = host_records["n_bias"]
             bias_total = int(n_bias.sum())
             _check_bias_tokens(host_records, vocab_size)
+        if stage is not None:
+            return cls._build_into(
+                stage, pool, owned, joined, host_records, any_flags, bias_total, bias_of, vocab_size, deterministic
+            )
         owned_bytes = None
         if owned:
             owned_bytes = bs * 4 * columns.COLUMN_WORDS + bias_total * 12 + 2 * pool.settings.alignment
@@ -139,6 +166,60 @@ class SamplingBatchInfo:
             flag_bits=(any_flags, int(np.bitwise_and.reduce(flags))),
         )
 
+    @classmethod
+    def _build_into(
+        cls,
+        st: Stage,
+        pool: PinnedRingBuffer,
+        owned: bool,
+        joined: bytes | np.ndarray[Any, Any],
+        host_records: np.ndarray[Any, Any],
+        any_flags: int,
+        bias_total: int,
+        bias_of: BiasOf,
+        vocab_size: int,
+        deterministic: bool,
+    ) -> SamplingBatchInfo:
+        """``from_schedule_batch`` into the caller's open stage ``st`` (its ``stage=`` path)."""
+        if owned or st.owned:
+            got = "owned=True" if owned else "an owned stage"
+            raise PoolStateError(
+                f"'stage' cannot be combined with owned memory (got {got}): a batch built into a caller's stage "
+                "lives only for that stage; build a batch that outlives it with owned=True and no 'stage'"
+            )
+        if st.flushed or not st.is_live:
+            state = "flushed" if st.flushed else "closed"
+            raise PoolStateError(
+                f"'stage' must be open and not yet flushed (got stage {st.generation}, {st.__class__.__name__}, "
+                f"{state}): build the batch before st.flush(), inside the stage"
+            )
+        bs = len(host_records)
+        try:
+            host, block = st.reserve(columns.COLUMN_WORDS * bs, torch.int32, name="sampling columns")
+        except PoolStateError as exc:  # a ring stage closed already: only the stage itself can tell
+            raise PoolStateError(f"'stage' must be open and not yet flushed ({exc})") from exc
+        if block.device != pool.device:
+            raise DeviceMismatchError(f"'stage' must be a stage of the pool on {pool.device} (got {block.device})")
+        if not _in_pool_memory(block, pool):
+            raise PoolStateError(
+                "'stage' must be a stage of 'pool' (got a stage of another pool): open it with pool.stage(...)"
+            )
+        columns.write_columns(host, joined, bs)
+        sparse = None
+        if bias_total:
+            sparse = SparseLogitBias.stage(st, host_records["n_bias"], bias_total, bias_of)
+        return cls(
+            block,
+            host_records,
+            vocab_size,
+            deterministic,
+            pool,
+            lease=st,
+            sparse_logit_bias=sparse,
+            flag_bits=(any_flags, int(np.bitwise_and.reduce(host_records["flags"]))),
+            stage_bound=True,
+        )
+
     # -- batch edits (no host sync) ----------------------------------------------------
     def filter_batch(
         self, keep_indices: Sequence[int] | np.ndarray[Any, Any], keep_device: torch.Tensor | None = None
@@ -149,6 +230,8 @@ class SamplingBatchInfo:
         are staged through the pool (one small copy). Rows with a logit bias cost one
         more copy: their entries, renumbered on the host, into memory the batch owns.
         """
+        if self.stage_bound:
+            self._refuse_edit("filter_batch")
         keep = np.asarray(keep_indices, dtype=np.int64).reshape(-1)
         bs = len(self.host_records)
         if keep.size == 0 or keep.min() < 0 or keep.max() >= bs:
@@ -178,6 +261,8 @@ class SamplingBatchInfo:
 
     def merge_batch(self, other: SamplingBatchInfo) -> None:
         """Append ``other``'s rows after this batch's."""
+        if self.stage_bound or other.stage_bound:
+            self._refuse_edit("merge_batch")
         if other.vocab_size != self.vocab_size:
             raise BatchMismatchError(f"'other.vocab_size' must be {self.vocab_size} (got {other.vocab_size})")
         if other.deterministic != self.deterministic:
@@ -236,9 +321,24 @@ class SamplingBatchInfo:
         return self.columns.device
 
     def check_live(self) -> None:
-        """Raise ``StaleLeaseError`` if this batch's ring slot was recycled (owned batches never are)."""
-        if self.lease is not None:
-            self.lease.check_live("SamplingBatchInfo")
+        """Raise ``StaleLeaseError`` if this batch's ring slot was recycled (owned batches never are),
+        or, built into a caller's stage, if readers may no longer (zero-copy: closed) or not yet
+        (ring stage: copy not issued) read it."""
+        lease = self.lease
+        if lease is not None:
+            lease.check_live("SamplingBatchInfo")
+            if self.stage_bound and not lease.copy_issued and not isinstance(lease, ZeroCopyStage):
+                raise PoolStateError(
+                    f"SamplingBatchInfo built into ring stage {lease.generation} was read before the stage's copy "
+                    "was issued: its device tensors hold no values yet; call st.flush() before launching readers"
+                )
+
+    def _refuse_edit(self, what: str) -> None:
+        raise PoolStateError(
+            f"{what}() needs batches that outlive their stage (got one built into a caller's stage with "
+            "'stage='; such a batch lives only for that stage): build the running batch with owned=True, "
+            "and use stage= for per-step batches that are sampled and dropped inside the stage"
+        )
 
     def _derive(self) -> None:
         bs = len(self.host_records)
@@ -283,6 +383,16 @@ def _check_bias_tokens(host_records: np.ndarray[Any, Any], vocab_size: int) -> N
             f"'logit_bias' token ids must be < vocab_size {vocab_size} "
             f"(got {int(host_records['bias_max_token'][i])} in request {i})"
         )
+
+
+def _in_pool_memory(view: torch.Tensor, pool: PinnedRingBuffer) -> bool:
+    """Whether ``view`` lies in ``pool``'s device mirror (ring stages) or its slab (zero-copy views alias it)."""
+    addr = view.data_ptr()
+    for memory in (pool.device_mirror, pool.host_slab):
+        base = memory.data_ptr()
+        if base <= addr < base + memory.numel():
+            return True
+    return False
 
 
 def _same_device(value: torch.device | str, device: torch.device) -> bool:

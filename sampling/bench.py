@@ -3,6 +3,10 @@
 Baselines rebuild sglang's ``from_schedule_batch`` shape on the same requests: five
 per-field tensors (``sync``: a ``torch.tensor`` built on the device; ``pinned``: PR #28076's
 ``pin_memory=True`` + ``non_blocking``) plus the flags computed with Python any/all.
+
+A second table builds the batch into a stage and runs the sampler inside it
+(``from_schedule_batch(stage=st)``): a zero-copy stage (no copy; the sampler reads the
+pinned slot) against a ring stage (one copy, flushed before the sampler).
 """
 
 from __future__ import annotations
@@ -132,6 +136,75 @@ def draw_table(ctx: BenchContext) -> Table:
     return Table.build("sampler: deterministic draw, eager torch vs one kernel", columns, rows, notes)
 
 
+#: The zero-copy table's vocabulary on CPU, where the sampler runs on the host and would
+#: otherwise set the whole figure (and the run time).
+CPU_VOCAB = 256
+#: Calls per timed block of the zero-copy table; the ring is deeper, so no call stalls.
+STAGE_CALLS = 16
+
+
+def build_and_sample(
+    batch: _Batch,
+    vocab: int,
+    pool: PinnedRingBuffer,
+    sampler: Sampler,
+    logits: torch.Tensor,
+    positions: torch.Tensor,
+    zero_copy: bool,
+) -> torch.Tensor:
+    """One step's sampling: the batch built into a stage, the sampler launched inside it."""
+    with pool.stage(zero_copy=zero_copy) as st:
+        info = SamplingBatchInfo.from_schedule_batch(batch, vocab, pool, deterministic=True, stage=st)
+        if not zero_copy:
+            st.flush()  # a ring stage's values land with its copy: readers after it
+        return sampler(logits, info, positions)  # zero-copy: launched before close, so fenced
+
+
+def zero_copy_table(ctx: BenchContext) -> Table:
+    """Build + sample in one stage: a zero-copy stage against a ring (copy) stage, per bs."""
+    title = "sampling: batch build + sampler inside one stage, zero-copy vs copy stage"
+    vocab = VOCAB if ctx.is_cuda else CPU_VOCAB
+    slot_bytes = max(1 << 16, -(-(max(ctx.batch_sizes) * 32 + 4096) // 4096) * 4096)
+    settings = PoolSettings.from_env(
+        device=ctx.device, num_slots=2 * STAGE_CALLS, slot_bytes=slot_bytes, zero_copy=True
+    )
+    pool = PinnedRingBuffer(settings)
+    platform = pool.platform
+    if not platform.zero_copy_ok:
+        pool.close()
+        note = f"zero-copy rows skipped: the platform check refused zero-copy here ({platform.reason})"
+        return Table.build(title, ("bs",), [], [note])
+    sampler = Sampler()
+    rows = []
+    for bs in ctx.batch_sizes:
+        ctx.progress(f"sampling in a stage bs={bs}")
+        batch = make_batch(bs, ctx.device, seed=5)
+        gen = torch.Generator(device=ctx.device).manual_seed(bs)
+        logits = torch.randn(bs, vocab, device=ctx.device, generator=gen) * 3.0
+        positions = torch.arange(bs, dtype=torch.int64, device=ctx.device)
+        steps = {
+            zc: partial(build_and_sample, batch, vocab, pool, sampler, logits, positions, zc) for zc in (False, True)
+        }
+        same = torch.equal(steps[False](), steps[True]())  # sync-ok: a check outside the timings
+        us = {zc: host_us_spread(ctx, steps[zc], iters=STAGE_CALLS) for zc in (False, True)}
+        rows.append((bs, us[False], us[True], ratio(us[False], us[True]), same))
+    stats = pool.stats()
+    pool.close()
+    notes = [
+        f"one step = SamplingBatchInfo.from_schedule_batch(stage=st) (deterministic, vocab {vocab}) + Sampler "
+        f"launched inside the stage; host µs per step: median (min-max) over {ctx.repeats} blocks of "
+        f"{STAGE_CALLS} steps, each block ending in a device sync (so a GPU-bound step shows its GPU time)",
+        "copy = a ring stage: one copy, flushed before the sampler; zero-copy = pool.stage(zero_copy=True): no "
+        "copy, the sampler's kernels read the pinned slot over PCIe, the slot's fence at close after them",
+        f"same tokens = zero-copy tokens equal the copy stage's; platform: {platform.reason}; pool: "
+        f"{stats.copies} copies, {stats.zero_copy_stages} zero-copy stages, {stats.stalls} stalls",
+    ]
+    if not ctx.is_cuda:
+        notes.append(f"CPU: the host path reads host memory in place, and the vocab is {CPU_VOCAB} to keep it cheap")
+    columns = ("bs", "copy stage µs", "zero-copy µs", "copy/zero-copy", "same tokens")
+    return Table.build(title, columns, rows, notes)
+
+
 MODES = ("sync", "pinned", "pool", "owned")
 
 
@@ -183,6 +256,8 @@ def workload(ctx: BenchContext) -> list[Table]:
         "pool allocs",
     )
     tables = [Table.build("sampling: host µs per SamplingBatchInfo build", columns, rows, notes)]
+    if "pool" in modes:
+        tables.append(zero_copy_table(ctx))
     if ctx.is_cuda:  # the kernel path exists only on CUDA; on CPU the sampler is the torch reference
         tables.append(draw_table(ctx))
     return tables

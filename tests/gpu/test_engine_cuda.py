@@ -1,38 +1,51 @@
-"""The reference decode loop on CUDA: modes agree, pool-mode decode steps make no host
-sync, and pinned allocations stay flat over 1000 steps."""
+"""The reference decode loop on CUDA: modes agree (pool-zc where the platform allows
+zero-copy), pool-mode decode steps make no host sync, and pinned allocations stay flat over
+1000 steps."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import MODES, Engine, EngineConfig, ModelConfig, Workload, make_requests
+from engine.bench import zero_copy_refusal
 from pinpool import no_sync
 
 DEV = torch.device("cuda", 0)
 CFG = ModelConfig()
+#: Why zero-copy stages are refused on this host (the pool's start-up check), or None.
+ZERO_COPY_REFUSAL = zero_copy_refusal(DEV) if torch.cuda.is_available() else "no CUDA"
 
 
-def test_four_modes_identical_token_streams_on_gpu() -> None:
-    """Catches a mode whose staged values differ (they would change sampled tokens)."""
+def test_every_mode_identical_token_streams_on_gpu() -> None:
+    """Catches a mode whose staged values differ (they would change sampled tokens), pool-zc's
+    in-place rows and positions included."""
     wl = Workload(num_requests=40, arrival_gap=0.5, seed=11)
+    modes = [m for m in MODES if m != "pool-zc" or ZERO_COPY_REFUSAL is None]
     streams = {}
-    for mode in MODES:
+    for mode in modes:
         engine = Engine(CFG, mode, DEV, EngineConfig(max_running=16))
         streams[mode] = engine.run(make_requests(wl, CFG.vocab_size))
-    assert all(streams[m] == streams["sync"] for m in MODES)
+    assert all(streams[m] == streams["sync"] for m in modes)
 
 
-def test_pool_decode_steps_make_no_host_sync_and_read_only_landed_tokens() -> None:
-    """Catches a sync in the decode step, or a token read that waits on the GPU."""
-    engine = Engine(CFG, "pool", DEV, EngineConfig(max_running=16))
+@pytest.mark.parametrize("mode", ["pool", "pool-zc"])
+def test_pool_decode_steps_make_no_host_sync_and_read_only_landed_tokens(mode: str) -> None:
+    """Catches a sync in the decode step, or a token read that waits on the GPU (pool-zc: also a
+    zero-copy exchange that issues an upload copy)."""
+    if mode == "pool-zc" and ZERO_COPY_REFUSAL is not None:
+        pytest.skip(f"zero-copy refused on this host: {ZERO_COPY_REFUSAL}")
+    engine = Engine(CFG, mode, DEV, EngineConfig(max_running=16))  # type: ignore[arg-type]
     engine.submit(make_requests(Workload(num_requests=16, arrival_gap=0, new_tokens=(10, 30), seed=3), CFG.vocab_size))
     while engine.step() != "decode" or engine.iteration < 6:
         pass
     torch.cuda.synchronize()
+    zero_copy_before = engine.pool.stats().zero_copy_stages
     with no_sync():  # a blocking read raises here: Event.synchronize is refused inside
         for _ in range(12):
             assert engine.step() == "decode"
     assert engine.pool.stats().readback_waits == 0
+    assert engine.pool.stats().zero_copy_stages - zero_copy_before == (12 if mode == "pool-zc" else 0)
     assert len(engine.running) < 16, "requests must leave during the window, so filtering ran under no_sync"
     while engine.busy:
         engine.step()

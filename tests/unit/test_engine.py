@@ -1,12 +1,15 @@
-"""The reference decode loop on CPU: the four modes agree, the KV cache is really used,
-and every row and KV slot comes back."""
+"""The reference decode loop on CPU: every mode agrees (pool-zc included), the KV cache is
+really used, and every row and KV slot comes back."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import MODES, Engine, EngineConfig, ModelConfig, Workload, make_requests
 from engine.model import KVCache, TinyDecoder
+from pinpool import PlatformError, PlatformReport
+from pinpool.transport import HostTransport
 
 CFG = ModelConfig(vocab_size=500, hidden=64, layers=2, heads=4, ffn=128, max_context_len=96)
 CPU = torch.device("cpu")
@@ -17,12 +20,43 @@ def run(mode: str, wl: Workload, max_running: int = 6) -> tuple[dict[int, list[i
     return engine.run(make_requests(wl, CFG.vocab_size)), engine
 
 
-def test_all_four_modes_give_identical_token_streams() -> None:
+def test_every_mode_gives_identical_token_streams() -> None:
     """Catches a staging mode that lands different values (or a schedule that depends on the mode)."""
     wl = Workload(num_requests=14, arrival_gap=0.7, seed=3)
     streams = {mode: run(mode, wl)[0] for mode in MODES}
+    assert "pool-zc" in streams
     assert all(streams[mode] == streams["sync"] for mode in MODES)
     assert sum(len(v) for v in streams["pool"].values()) > 14
+
+
+def test_pool_zc_decodes_through_zero_copy_exchanges_and_matches_sync_token_for_token() -> None:
+    """Catches pool-zc falling back to copy exchanges, or its in-place rows/positions (and the
+    in-stage token read-back) giving other tokens than sync mode, across prefills, filters
+    and shared prefixes."""
+    wl = Workload(num_requests=16, arrival_gap=0.6, shared_prefixes=2, shared_len=6, seed=9)
+    want, _ = run("sync", wl, max_running=5)
+    engine = Engine(CFG, "pool-zc", CPU, EngineConfig(max_running=5, kv_slots=2048))
+    engine.submit(make_requests(wl, CFG.vocab_size))
+    decodes = 0
+    while engine.busy:
+        decodes += engine.step() == "decode"
+    assert engine.finished_outputs == want
+    stats = engine.pool.stats()
+    assert decodes > 20 and stats.zero_copy_stages == decodes  # one zero-copy exchange per decode step
+    assert stats.readbacks >= decodes  # each decode's tokens came back through its exchange's slot
+
+
+def test_pool_zc_is_refused_at_creation_where_the_platform_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches pool-zc starting on a platform whose check failed: it would fail mid-decode instead
+    of saying why up front."""
+
+    def refuse(self: HostTransport, host_slab: torch.Tensor) -> tuple[PlatformReport, torch.Tensor | None]:
+        return PlatformReport(checked=True, zero_copy_ok=False, reason="the slab is not page-locked"), None
+
+    monkeypatch.setattr(HostTransport, "check_zero_copy", refuse)
+    with pytest.raises(PlatformError, match="not page-locked"):
+        Engine(CFG, "pool-zc", CPU, EngineConfig())
+    Engine(CFG, "pool", CPU, EngineConfig())  # the copy modes still start
 
 
 def test_resources_return_to_the_pools() -> None:
