@@ -137,8 +137,10 @@ def _rebuilt_kernel(
         mask = offs < prefix_len
         tl.store(req_to_token_ptr + row * row_stride + offs, tl.load(prefix + offs, mask=mask), mask=mask)
     start = tl.cast(0, tl.int64)
-    for i in range(pid):  # the per-program prefix sum: O(bs) loads in each of bs programs
+    i = pid * 0
+    while i < pid:  # the per-program prefix sum: O(bs) loads in each of bs programs
         start += tl.load(extend_lens + i)
+        i += 1
     for i in range(tl.cdiv(seq_len - prefix_len, BLOCK)):
         offs = tl.arange(0, BLOCK) + i * BLOCK
         mask = offs < seq_len - prefix_len

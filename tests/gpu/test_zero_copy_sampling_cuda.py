@@ -19,7 +19,7 @@ VOCAB = 1000
 STEPS = 40
 #: GPU sleep before the sampler of a lagging step: ~1 ms at ~2 GHz, far longer than the
 #: host takes to build and launch the next steps, so the GPU falls behind the host.
-LAG_CYCLES = 2_000_000
+LAG_CYCLES = 20_000_000  # about 10 ms on an H200: far above the host's time per step
 
 
 def zero_copy_pool(device: torch.device = DEV, num_slots: int = 4) -> PinnedRingBuffer:
