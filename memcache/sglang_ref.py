@@ -132,20 +132,25 @@ def _rebuilt_kernel(
     prefix_len = tl.load(prefix_lens + pid)
     seq_len = tl.load(seq_lens + pid)
     prefix = tl.load(prefix_ptrs + pid).to(tl.pointer_type(tl.int64))
-    for i in range(tl.cdiv(prefix_len, BLOCK)):
-        offs = tl.arange(0, BLOCK) + i * BLOCK
+    # while loops over loaded bounds (not range): Triton 3.6's interpreter cannot range over them.
+    off = prefix_len * 0
+    while off < prefix_len:
+        offs = tl.arange(0, BLOCK) + off
         mask = offs < prefix_len
         tl.store(req_to_token_ptr + row * row_stride + offs, tl.load(prefix + offs, mask=mask), mask=mask)
+        off += BLOCK
     start = tl.cast(0, tl.int64)
     i = pid * 0
     while i < pid:  # the per-program prefix sum: O(bs) loads in each of bs programs
         start += tl.load(extend_lens + i)
         i += 1
-    for i in range(tl.cdiv(seq_len - prefix_len, BLOCK)):
-        offs = tl.arange(0, BLOCK) + i * BLOCK
+    off = prefix_len * 0
+    while off < seq_len - prefix_len:
+        offs = tl.arange(0, BLOCK) + off
         mask = offs < seq_len - prefix_len
         value = tl.load(out_cache_loc + start + offs, mask=mask)
         tl.store(req_to_token_ptr + row * row_stride + offs + prefix_len, value, mask=mask)
+        off += BLOCK
 
 
 def rebuild(
