@@ -18,9 +18,6 @@ uploads of the per-request lists, then the function.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,52 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+from pinpool.bench.sglang_files import exec_file, sglang_dir, stub
+
 _ALLOCATION = Path("sglang/srt/mem_cache/allocation.py")
 _KERNELS = Path("sglang/kernels/ops/memory/common.py")
 WriteFn = Callable[..., None]
-
-
-def sglang_dir() -> Path | None:
-    """``.sglang/`` beside the package (a checkout) or in the working directory, if it holds both files."""
-    for root in (Path(__file__).resolve().parents[1], Path.cwd()):
-        base = root / ".sglang"
-        if (base / _ALLOCATION).is_file() and (base / _KERNELS).is_file():
-            return base
-    return None
-
-
-class _AnyModule(types.ModuleType):
-    """A stub module: every name not set explicitly is an inert class."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        stub = type(name, (), {"__init__": lambda self, *a, **k: None})
-        setattr(self, name, stub)
-        return stub
-
-
-def _stub(name: str, **attrs: Any) -> None:
-    parts = name.split(".")
-    for i in range(1, len(parts) + 1):
-        sub = ".".join(parts[:i])
-        if sub not in sys.modules:
-            mod = _AnyModule(sub)
-            mod.__path__ = []
-            sys.modules[sub] = mod
-            if i > 1:
-                setattr(sys.modules[".".join(parts[: i - 1])], parts[i - 1], mod)
-    for key, value in attrs.items():
-        setattr(sys.modules[name], key, value)
-
-
-def _exec(name: str, path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _pin(device: Any = None) -> bool:
@@ -83,11 +39,11 @@ def _pin(device: Any = None) -> bool:
 
 def load() -> tuple[WriteFn, str]:
     """(write_cache_indices with sglang's 11-argument signature, where it came from)."""
-    root = sglang_dir()
+    root = sglang_dir(_ALLOCATION, _KERNELS)
     if root is None:
         return rebuild, "rebuild (no .sglang/: written here from sglang 0.5.23's source, not its code)"
     false = lambda *a, **k: False  # noqa: E731
-    _stub(
+    stub(
         "sglang.srt.utils",
         is_cpu=false,
         is_hip=false,
@@ -97,8 +53,8 @@ def load() -> tuple[WriteFn, str]:
         support_triton=lambda backend: True,
         next_power_of_2=lambda n: 1 << max(0, (n - 1).bit_length()),
     )
-    _stub("sglang.srt.utils.common", is_pin_memory_available=_pin)
-    _stub("sglang.srt.runtime_context", attention_backends=lambda: ("triton", "triton"))
+    stub("sglang.srt.utils.common", is_pin_memory_available=_pin)
+    stub("sglang.srt.runtime_context", attention_backends=lambda: ("triton", "triton"))
     for name in (
         "sglang.srt.hardware_backend.npu.dsv4.dsv4_common_hooks",
         "sglang.srt.mem_cache.allocator.page_interleave",
@@ -108,9 +64,9 @@ def load() -> tuple[WriteFn, str]:
         "sglang.srt.managers.schedule_batch",
         "sglang.kernels.ops.memory",
     ):
-        _stub(name)
-    _exec("sglang.kernels.ops.memory.common", root / _KERNELS)
-    module = _exec("sglang.srt.mem_cache.allocation", root / _ALLOCATION)
+        stub(name)
+    exec_file("sglang.kernels.ops.memory.common", root / _KERNELS)
+    module = exec_file("sglang.srt.mem_cache.allocation", root / _ALLOCATION)
     fn: WriteFn = module.write_cache_indices
     return fn, f"sglang 0.5.23's own write_cache_indices and kernel ({root / _ALLOCATION})"
 

@@ -397,15 +397,7 @@ class PinnedRingBuffer:
     # -- internals ---------------------------------------------------------------------
     def _claim(self, stream: Stream, *, writes_mirror: bool) -> int:
         """The next slot, safe to write on the host, guarded on the device for ``stream``, under a new generation."""
-        slot = self._next_slot
-        fence = self._fences[slot]
-        # Rule 1: the host region may still feed a pending copy (or receive a read-back).
-        # Wait for the slot's fence: bounded, and only when the GPU is num_slots behind.
-        if not fence.query():
-            self._stall(slot, fence)
-        if self._retained[slot]:
-            # Rule 5: the fence has passed, so the kernels that read these are done.
-            self._retained[slot].clear()
+        slot = self._reclaim_host()
         last = self._last_stream[slot]
         if last is not stream and not self._transport.same_stream(last, stream):
             # Rule 2, change of stream: work queued on the slot's previous user's stream
@@ -420,6 +412,20 @@ class PinnedRingBuffer:
         self._slot_generation[slot] = self._generation
         return slot
 
+    def _reclaim_host(self) -> int:
+        """The next slot, once its host region is free to write (rules 1 and 5)."""
+        slot = self._next_slot
+        fence = self._fences[slot]
+        # Rule 1: the host region may still feed a pending copy, receive a read-back or be
+        # read in place. Wait for the slot's fence: bounded, and only when the GPU is
+        # num_slots claims behind.
+        if not fence.query():
+            self._stall(slot, fence)
+        if self._retained[slot]:
+            # Rule 5: the fence has passed, so the kernels that read these are done.
+            self._retained[slot].clear()
+        return slot
+
     def _zero_copy_stage(self, stream: Stream, owned_bytes: int | None, owned: torch.Tensor | None) -> Stage:
         layouts = self._zero_copy_layouts
         if layouts is None:
@@ -429,14 +435,9 @@ class PinnedRingBuffer:
                 "pass either 'zero_copy=True' or 'owned'/'owned_bytes', not both: a zero-copy stage is read in "
                 "place from the ring"
             )
-        slot = self._next_slot
-        fence = self._fences[slot]
         # Rule 1: the host rewrites the slot in place, so everything that may still read or
         # write it (a copy, a read-back, a previous zero-copy stage's readers) must be done.
-        if not fence.query():
-            self._stall(slot, fence)
-        if self._retained[slot]:
-            self._retained[slot].clear()
+        slot = self._reclaim_host()
         # Rule 2 does not apply: the device mirror is not written, so neither the hand-off
         # nor the consumer guards run, and the slot's last mirror user stays on record for
         # the next copy stage's hand-off.

@@ -19,8 +19,6 @@ rebuild in every table that uses it.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -28,42 +26,11 @@ from typing import Any
 
 import torch
 
+from pinpool.bench.sglang_files import exec_file, sglang_dir, stub
+
 TOP_K_ALL = 1 << 30
 _RELATIVE = Path("sglang/srt/sampling/sampling_batch_info.py")
 Build = Callable[[Any, int], Any]
-
-
-def sglang_dir() -> Path | None:
-    """``.sglang/`` beside the package (a checkout) or in the working directory, if it holds the file."""
-    for root in (Path(__file__).resolve().parents[1], Path.cwd()):
-        if (root / ".sglang" / _RELATIVE).is_file():
-            return root / ".sglang"
-    return None
-
-
-class _AnyModule(types.ModuleType):
-    """A stub module: every name not set explicitly is an inert class."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        stub = type(name, (), {"__init__": lambda self, *a, **k: None})
-        setattr(self, name, stub)
-        return stub
-
-
-def _stub(name: str, **attrs: Any) -> None:
-    parts = name.split(".")
-    for i in range(1, len(parts) + 1):
-        sub = ".".join(parts[:i])
-        if sub not in sys.modules:
-            mod = _AnyModule(sub)
-            mod.__path__ = []
-            sys.modules[sub] = mod
-            if i > 1:  # `import a.b.c as x` walks the attributes
-                setattr(sys.modules[".".join(parts[: i - 1])], parts[i - 1], mod)
-    for key, value in attrs.items():
-        setattr(sys.modules[name], key, value)
 
 
 class _Orchestrator:
@@ -89,24 +56,20 @@ def _pin(device: Any = None) -> bool:
 
 def load() -> tuple[Build, str]:
     """(from_schedule_batch(batch, vocab_size), where it came from)."""
-    root = sglang_dir()
+    root = sglang_dir(_RELATIVE)
     if root is None:
         return rebuild, "rebuild (no .sglang/: written here from sglang 0.5.23's source, not its code)"
-    _stub("sglang.srt.sampling.penaltylib", BatchedPenalizerOrchestrator=_Orchestrator)
-    _stub("sglang.srt.sampling.penaltylib.repetition_penalty")
-    _stub("sglang.srt.constrained.base_grammar_backend")
-    _stub("sglang.srt.runtime_context", get_exec=_exec_config)
-    _stub("sglang.srt.sampling.custom_logit_processor")
-    _stub("sglang.srt.sampling.sampling_params", TOP_K_ALL=TOP_K_ALL)
-    _stub("sglang.srt.sampling.watermarking.core")
-    _stub("sglang.srt.utils.common", is_pin_memory_available=_pin)
-    _stub("sglang.srt.managers.schedule_batch")
+    stub("sglang.srt.sampling.penaltylib", BatchedPenalizerOrchestrator=_Orchestrator)
+    stub("sglang.srt.sampling.penaltylib.repetition_penalty")
+    stub("sglang.srt.constrained.base_grammar_backend")
+    stub("sglang.srt.runtime_context", get_exec=_exec_config)
+    stub("sglang.srt.sampling.custom_logit_processor")
+    stub("sglang.srt.sampling.sampling_params", TOP_K_ALL=TOP_K_ALL)
+    stub("sglang.srt.sampling.watermarking.core")
+    stub("sglang.srt.utils.common", is_pin_memory_available=_pin)
+    stub("sglang.srt.managers.schedule_batch")
     path = root / _RELATIVE
-    spec = importlib.util.spec_from_file_location("sglang.srt.sampling.sampling_batch_info", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = exec_file("sglang.srt.sampling.sampling_batch_info", path)
     build: Build = module.SamplingBatchInfo.from_schedule_batch
     return build, f"sglang 0.5.23's own from_schedule_batch ({path}), penalizers/grammars/watermarks stubbed"
 
