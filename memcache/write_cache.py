@@ -123,7 +123,7 @@ def write_cache_indices(
             struct.pack_into(f"{META_ROWS * bs}q", meta_host.data, 0, *meta_list)
         else:
             meta_host[:] = meta_list
-        # Invariant 6: the kernel dereferences these addresses; keep the tensors alive until
+        # Rule 5 (retain): the kernel dereferences these addresses; keep the tensors alive until
         # the slot's fence, recorded on exit after the launch below, has passed. Only those
         # with a prefix are read, and one list (built here, never changed) holds them all.
         st.retain(kept)

@@ -71,7 +71,7 @@ class PoolSettings:
     """
 
     #: Where the mirror lives. The default is the current CUDA device when there is one,
-    #: else the CPU (design invariant 7: same API, plain memory, no events).
+    #: else the CPU (rule 7: same API, plain memory, no events).
     device: torch.device = attrs.field(
         default=attrs.Factory(lambda: torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         converter=_to_device,

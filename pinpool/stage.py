@@ -177,7 +177,7 @@ class Stage:
         return host, device
 
     def retain(self, *objs: Any) -> None:
-        """Keep ``objs`` alive until this slot's fence has passed (design invariant 6).
+        """Keep ``objs`` alive until this slot's fence has passed (rule 5).
 
         The fence is recorded on exit, after any kernel launched between ``flush()``
         and exit, so a tensor whose address was staged outlives that kernel.

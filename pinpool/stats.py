@@ -33,7 +33,7 @@ class Counters:
 class PoolStats:
     """A snapshot of a pool's counters.
 
-    ``stalls`` and ``stall_seconds`` count the host waits of design invariant 1, the
+    ``stalls`` and ``stall_seconds`` count the host waits of rule 1 (README), the
     only host waits the pool ever makes; ``host_allocations`` counts pinned buffers
     the pool allocated (one at construction, plus one per spilled put).
     ``readback_waits`` counts reads of a ``Readback`` whose copy had not landed yet: the

@@ -109,7 +109,7 @@ class SamplingBatchInfo:
 
         ``owned=False`` leaves the tensors in a ring slot: valid for ``num_slots`` stages,
         no allocation. ``owned=True`` copies them (still one copy) into device memory the
-        batch owns, for a batch that lives across decode steps (design invariant 5).
+        batch owns, for a batch that lives across decode steps (the pool's rule 4).
 
         ``stage``: an open stage of ``pool`` to build into instead of opening one; the
         batch's tensors are then that stage's views and the batch **lives only for that

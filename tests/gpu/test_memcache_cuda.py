@@ -93,7 +93,7 @@ def _free_prefixes_while_lagging(retain: bool, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_prefixes_freed_right_after_the_call_do_not_corrupt(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Catches prefix tensors released before the kernel that dereferences them ran (invariant 6)."""
+    """Catches prefix tensors released before the kernel that dereferences them ran (rule 5)."""
     assert _free_prefixes_while_lagging(True, monkeypatch)
 
 

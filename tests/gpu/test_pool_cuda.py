@@ -47,7 +47,7 @@ def stage_random(pool: PinnedRingBuffer, rng: random.Random) -> list[tuple[torch
 
 
 def test_1000_lagged_stages_arrive_exactly() -> None:
-    """Catches a slot rewritten on the host while its copy is still queued (invariant 1)."""
+    """Catches a slot rewritten on the host while its copy is still queued (rule 1)."""
     rng = random.Random(0)
     pool = PinnedRingBuffer(PoolSettings(device=DEV, num_slots=3, slot_bytes=1 << 18))
     seen = []
@@ -161,7 +161,7 @@ def _consumer_reads_late(register: bool) -> bool:
 
 
 def test_registered_consumer_stream_is_protected() -> None:
-    """Catches a device region overwritten while another stream's queued kernel still reads it (invariant 2)."""
+    """Catches a device region overwritten while another stream's queued kernel still reads it (rule 2)."""
     assert _consumer_reads_late(register=True)
 
 
@@ -171,7 +171,7 @@ def test_control_unregistered_consumer_stream_sees_overwritten_data() -> None:
 
 
 def test_owned_stage_survives_the_ring_on_device() -> None:
-    """Catches owned data aliasing the ring mirror (invariant 5)."""
+    """Catches owned data aliasing the ring mirror (rule 4)."""
     pool = PinnedRingBuffer(PoolSettings(device=DEV, num_slots=2, slot_bytes=1 << 16))
     with pool.stage(owned_bytes=4 * 999) as st:
         kept = st.put(list(range(999)), torch.int32)

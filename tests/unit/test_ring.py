@@ -29,7 +29,7 @@ def make_pool(**kw: object) -> PinnedRingBuffer:
 
 
 def test_cpu_fallback_returns_exactly_the_values_put() -> None:
-    """Catches a put that lands at the wrong offset, dtype or shape (design invariant 7)."""
+    """Catches a put that lands at the wrong offset, dtype or shape (rule 7)."""
     pool = make_pool()
     with pool.stage() as st:
         temps = st.put([0.7, 1.0], torch.float32)
@@ -189,7 +189,7 @@ def test_tensor_on_another_device_is_refused() -> None:
 
 
 def test_owned_stage_copies_into_consumer_memory_that_survives_the_ring() -> None:
-    """Catches owned data aliasing the ring (design invariant 5)."""
+    """Catches owned data aliasing the ring (rule 4)."""
     pool = make_pool(num_slots=2)
     with pool.stage(owned_bytes=64) as st:
         kept = st.put([1.5, 2.5], torch.float32)

@@ -1,8 +1,8 @@
 """Property tests of the ring against a simulated GPU that lags a random number of ops.
 
 ``LaggingGpu`` records a race whenever a copy's host source changed between enqueue and
-execution (design invariant 1), and a mismatch whenever a queued "kernel" read a device
-view that did not hold the staged values (values intact, invariant 2 in stream order).
+execution (rule 1), and a mismatch whenever a queued "kernel" read a device
+view that did not hold the staged values (values intact, rule 2 in stream order).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def test_the_simulator_catches_a_ring_without_fences() -> None:
 
 
 def test_stalls_are_counted_and_timed_when_the_gpu_lags() -> None:
-    """Catches a host wait that is not counted (invariant 1's wait must be visible in stats)."""
+    """Catches a host wait that is not counted (rule 1's wait must be visible in stats)."""
     gpu = LaggingGpu(max_lag=1000, seed=0)  # the "GPU" never catches up on its own
     gpu.frozen = True  # the "GPU" never catches up on its own
     pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=256), transport=gpu)
