@@ -100,12 +100,13 @@ def baseline_call(case: dict[str, Any], rtt: ReqToTokenPool, mode: str) -> None:
     rows, prefix, seq, extend = args
     bs = len(pointers)
     if not pin:
-        starts = np.concatenate([[0], np.cumsum(case["extend_lens"])[:-1]]).astype(np.int64).tolist()
+        # CPU only (no pinning): numpy and CPU tensors, nothing on a device to wait for.
+        starts = np.concatenate([[0], np.cumsum(case["extend_lens"])[:-1]]).astype(np.int64).tolist()  # sync-ok
         write_req_to_token_reference(
             rtt.req_to_token,
-            rows.tolist(),
-            prefix.tolist(),
-            seq.tolist(),
+            rows.tolist(),  # sync-ok: CPU tensors
+            prefix.tolist(),  # sync-ok: CPU tensors
+            seq.tolist(),  # sync-ok: CPU tensors
             starts,
             case["prefix_tensors"],
             case["out_cache_loc"],

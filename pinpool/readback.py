@@ -26,7 +26,7 @@ class Readback:
 
         handle = pool.readback(next_tokens)   # queued on the current stream, no wait
         ...                                   # launch the next step
-        tokens = handle.tolist()              # waits only if the copy has not landed
+        tokens = handle.tolist()              # sync-ok: waits only if the copy has not landed
     """
 
     __slots__ = ("_fence", "_host", "_landed_seen", "_pool", "generation", "slot")

@@ -163,7 +163,7 @@ _F32 = struct.Struct("<f")
 def _check(bad: np.ndarray[Any, Any], name: str, rule: str, values: np.ndarray[Any, Any]) -> None:
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise SamplingParamError(f"'{name}' of request {i} {rule} (got {values[i].item()!r})")
+        raise SamplingParamError(f"'{name}' of request {i} {rule} (got {values[i].item()!r})")  # sync-ok: numpy
 
 
 def _bias(i: int, value: Any) -> tuple[tuple[int, ...], tuple[float, ...]] | None:

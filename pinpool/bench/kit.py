@@ -18,7 +18,7 @@ import torch
 
 #: The staging modes ``pinpool bench`` compares, and what each one is.
 MODES: dict[str, str] = {
-    "sync": "torch.tensor(values, device=...) per field: a pageable copy that blocks the host",
+    "sync": "torch.tensor(values, device=...) per field: a pageable copy that blocks the host",  # sync-ok: text
     "pinned": "torch.tensor(values, pin_memory=True).to(device, non_blocking=True) per field (sglang PR #28076)",
     "persistent": "one pinned buffer per field, kept across steps; one event wait per step",
     "pool": "a PinnedRingBuffer stage: every field into one slot, one copy",
