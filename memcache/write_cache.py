@@ -145,6 +145,8 @@ def _check_lengths(
         raise CacheIndexError(f"'out_cache_loc' must be on {req_to_token_pool.device} (got {out_cache_loc.device})")
     if out_cache_loc.dtype not in (torch.int32, torch.int64):
         raise CacheIndexError(f"'out_cache_loc' must be int32 or int64 (got {out_cache_loc.dtype})")
+    if not out_cache_loc.is_contiguous():  # refused here, before a slot is claimed, not by the launcher
+        raise CacheIndexError("'out_cache_loc' must be contiguous (got a strided view): pass .contiguous()")
     if rows.size == 0:
         if out_cache_loc.shape[0]:
             raise CacheIndexError(f"'out_cache_loc' must be empty for an empty batch (got {out_cache_loc.shape[0]})")
@@ -152,11 +154,22 @@ def _check_lengths(
     size, max_len = req_to_token_pool.size, req_to_token_pool.max_context_len
     # One combined mask first: the common, valid case pays one reduction, and only a
     # failing batch goes through the per-rule checks that name the request and value.
-    bad_any = (rows < 0) | (rows >= size) | (prefix < 0) | (extend < 0) | (seq - prefix != extend) | (seq > max_len)
+    # seq >= 0 matters beyond its own rule: with every length in [0, max_len] no
+    # difference or sum below can wrap around int64 and pass a check it should fail.
+    bad_any = (
+        (rows < 0)
+        | (rows >= size)
+        | (prefix < 0)
+        | (seq < 0)
+        | (extend < 0)
+        | (seq - prefix != extend)
+        | (seq > max_len)
+    )
     if bad_any.any():
         checks = (
             ((rows < 0) | (rows >= size), "req_pool_indices", rows, f"must be in [0, {size})"),
             (prefix < 0, "prefix_lens", prefix, "must be >= 0"),
+            (seq < 0, "seq_lens", seq, "must be >= 0"),
             (extend < 0, "extend_lens", extend, "must be >= 0"),
             (seq - prefix != extend, "seq_lens", seq, "must equal prefix_len + extend_len"),
             (seq > max_len, "seq_lens", seq, f"must be <= max_context_len {max_len}"),
@@ -220,6 +233,7 @@ def _loc_ok(out_cache_loc: torch.Tensor, req_to_token_pool: ReqToTokenPool) -> b
         and out_cache_loc.dim() == 1
         and out_cache_loc.device == req_to_token_pool.device
         and (out_cache_loc.dtype is torch.int32 or out_cache_loc.dtype is torch.int64)
+        and out_cache_loc.is_contiguous()
     )
 
 

@@ -117,6 +117,16 @@ class Stage:
         return self._end
 
     @property
+    def pool(self) -> PinnedRingBuffer:
+        """The pool this stage belongs to (a library building into a caller's stage checks it)."""
+        return self._pool
+
+    @property
+    def is_open(self) -> bool:
+        """True until the stage is closed (by ``with`` exit or ``close``)."""
+        return self._open
+
+    @property
     def owned(self) -> bool:
         return self.owned_device is not None
 

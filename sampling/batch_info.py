@@ -187,23 +187,22 @@ class SamplingBatchInfo:
                 f"'stage' cannot be combined with owned memory (got {got}): a batch built into a caller's stage "
                 "lives only for that stage; build a batch that outlives it with owned=True and no 'stage'"
             )
-        if st.flushed or not st.is_live:
-            state = "flushed" if st.flushed else "closed"
+        if st.pool is not pool:
+            if st.pool.device != pool.device:
+                raise DeviceMismatchError(
+                    f"'stage' must be a stage of the pool on {pool.device} (got one on {st.pool.device})"
+                )
+            raise PoolStateError(
+                "'stage' must be a stage of 'pool' (got a stage of another pool): open it with pool.stage(...)"
+            )
+        if st.flushed or not st.is_open:
+            state = "flushed" if st.is_open else "closed"
             raise PoolStateError(
                 f"'stage' must be open and not yet flushed (got stage {st.generation}, {st.__class__.__name__}, "
                 f"{state}): build the batch before st.flush(), inside the stage"
             )
         bs = len(host_records)
-        try:
-            host, block = st.reserve(columns.COLUMN_WORDS * bs, torch.int32, name="sampling columns")
-        except PoolStateError as exc:  # a ring stage closed already: only the stage itself can tell
-            raise PoolStateError(f"'stage' must be open and not yet flushed ({exc})") from exc
-        if block.device != pool.device:
-            raise DeviceMismatchError(f"'stage' must be a stage of the pool on {pool.device} (got {block.device})")
-        if not _in_pool_memory(block, pool):
-            raise PoolStateError(
-                "'stage' must be a stage of 'pool' (got a stage of another pool): open it with pool.stage(...)"
-            )
+        host, block = st.reserve(columns.COLUMN_WORDS * bs, torch.int32, name="sampling columns")
         columns.write_columns(host, joined, bs)
         sparse = None
         if bias_total:
@@ -232,7 +231,11 @@ class SamplingBatchInfo:
         """
         if self.stage_bound:
             self._refuse_edit("filter_batch")
-        keep = np.asarray(keep_indices, dtype=np.int64).reshape(-1)
+        raw = np.asarray(keep_indices)
+        if raw.size and raw.dtype.kind not in "iu":
+            # A float would be truncated and a bool mask read as indices 0 and 1: wrong rows, silently.
+            raise BatchMismatchError(f"'keep_indices' must be integer row indices (got dtype {raw.dtype})")
+        keep = raw.astype(np.int64, copy=False).reshape(-1)
         bs = len(self.host_records)
         if keep.size == 0 or keep.min() < 0 or keep.max() >= bs:
             got = keep.tolist()[:8]  # sync-ok: numpy host array, no device read
@@ -250,12 +253,16 @@ class SamplingBatchInfo:
                 f"(got {keep_device.dtype} {tuple(keep_device.shape)} on {keep_device.device})"
             )
         self.check_live()
-        block = None
+        # Everything that can raise (the bias copy opens a stage) comes before the first
+        # assignment: a failed filter leaves the batch as it was, never half-changed.
+        sparse = None
         if self.sparse_logit_bias is not None:
             block = self.sparse_logit_bias.filtered(self.host_records["n_bias"], keep)
-        self.columns = columns.select(self.columns, bs, keep_device)
+            sparse = SparseLogitBias.land(self.pool, block)
+        selected = columns.select(self.columns, bs, keep_device)
+        self.columns = selected
         self.host_records = self.host_records[keep]
-        self.sparse_logit_bias = None if block is None else SparseLogitBias.land(self.pool, block)
+        self.sparse_logit_bias = sparse
         self.lease = None
         self._derive()
 
@@ -271,12 +278,15 @@ class SamplingBatchInfo:
             raise BatchMismatchError(f"'other' must be on {self.columns.device} (got {other.columns.device})")
         self.check_live()
         other.check_live()
-        block = None
+        # As in filter_batch: what can raise comes before the first assignment.
+        sparse = None
         if self.sparse_logit_bias is not None or other.sparse_logit_bias is not None:
             block = merged_block(self.sparse_logit_bias, len(self), other.sparse_logit_bias)
-        self.columns = columns.concat(self.columns, len(self), other.columns, len(other))
+            sparse = SparseLogitBias.land(self.pool, block)
+        joined = columns.concat(self.columns, len(self), other.columns, len(other))
+        self.columns = joined
         self.host_records = np.concatenate([self.host_records, other.host_records])
-        self.sparse_logit_bias = None if block is None else SparseLogitBias.land(self.pool, block)
+        self.sparse_logit_bias = sparse
         self.lease = None
         self._derive()
 
@@ -383,16 +393,6 @@ def _check_bias_tokens(host_records: np.ndarray[Any, Any], vocab_size: int) -> N
             f"'logit_bias' token ids must be < vocab_size {vocab_size} "
             f"(got {int(host_records['bias_max_token'][i])} in request {i})"
         )
-
-
-def _in_pool_memory(view: torch.Tensor, pool: PinnedRingBuffer) -> bool:
-    """Whether ``view`` lies in ``pool``'s device mirror (ring stages) or its slab (zero-copy views alias it)."""
-    addr = view.data_ptr()
-    for memory in (pool.device_mirror, pool.host_slab):
-        base = memory.data_ptr()
-        if base <= addr < base + memory.numel():
-            return True
-    return False
 
 
 def _same_device(value: torch.device | str, device: torch.device) -> bool:

@@ -50,10 +50,15 @@ def _number(name: str, value: Any) -> float:
     return float(value)
 
 
+#: The largest finite float32: temperatures and bias values are stored as float32, where
+#: anything larger would become inf (and the sampler's softmax NaN) without a word.
+F32_MAX = float(np.finfo(np.float32).max)
+
+
 def _check_temperature(instance: Any, attribute: Any, value: Any) -> None:
     v = _number("temperature", value)
-    if not math.isfinite(v) or v < 0:
-        raise SamplingParamError(f"'temperature' must be finite and >= 0 (got {value!r})")
+    if not math.isfinite(v) or not 0 <= v <= F32_MAX:
+        raise SamplingParamError(f"'temperature' must be finite, >= 0 and fit float32 (got {value!r})")
 
 
 def _check_top_p(instance: Any, attribute: Any, value: Any) -> None:
@@ -100,8 +105,10 @@ def _to_bias(value: Mapping[int, float] | None) -> tuple[tuple[int, ...], tuple[
         if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0:
             raise SamplingParamError(f"'logit_bias' token ids must be ints >= 0 (got {token!r})")
         b = _number("logit_bias", bias)
-        if not math.isfinite(b):
-            raise SamplingParamError(f"'logit_bias' values must be finite (got {bias!r} for token {token})")
+        if not math.isfinite(b) or abs(b) > F32_MAX:
+            raise SamplingParamError(
+                f"'logit_bias' values must be finite and fit float32 (got {bias!r} for token {token})"
+            )
         tokens.append(int(token))
         biases.append(b)
     return tuple(tokens), tuple(biases)

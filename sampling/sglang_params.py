@@ -32,6 +32,7 @@ import numpy as np
 from sampling.exceptions import SamplingParamError
 from sampling.params import (
     DEFAULT_SEED,
+    F32_MAX,
     FLAG_BIAS,
     FLAG_GREEDY,
     FLAG_MIN_P,
@@ -57,9 +58,14 @@ def _column(objs: Sequence[Any], name: str, integral: bool) -> np.ndarray[Any, A
         # array.array converts at C speed and strictly: None, strings and (for 'q') floats or
         # ints out of int64 range raise, and take the checked path below.
         if name == "sampling_seed":  # most requests have none: keep that on the fast path
-            fast = array.array("q", [DEFAULT_SEED if v is None else v for v in map(get, objs)])
+            values = [DEFAULT_SEED if v is None else v for v in map(get, objs)]
         else:
-            fast = array.array("q" if integral else "d", list(map(get, objs)))
+            values = list(map(get, objs))
+        # array.array takes True as 1: a bool is never a sampling parameter, so the
+        # checked path below refuses it, as the small-batch path does (one C-level pass).
+        if bool in set(map(type, values)):
+            raise TypeError("bool")
+        fast = array.array("q" if integral else "d", values)
         return np.frombuffer(fast, np.int64 if integral else np.float64)
     except (TypeError, OverflowError, AttributeError):
         pass
@@ -125,8 +131,10 @@ def _pack_small(objs: Sequence[Any], out: np.ndarray[Any, Any] | None) -> tuple[
         top_k = _scalar(i, "top_k", raw[2], True)
         min_p = _scalar(i, "min_p", raw[3], False)
         seed = _scalar(i, "sampling_seed", raw[4], True)
-        if not math.isfinite(temp) or temp < 0:
-            raise SamplingParamError(f"'temperature' of request {i} must be finite and >= 0 (got {temp!r})")
+        if not math.isfinite(temp) or not 0 <= temp <= F32_MAX:
+            raise SamplingParamError(
+                f"'temperature' of request {i} must be finite, >= 0 and fit float32 (got {temp!r})"
+            )
         if not 0 < top_p <= 1:
             raise SamplingParamError(f"'top_p' of request {i} must be in (0, 1] (got {top_p!r})")
         if not 0 <= min_p <= 1:
@@ -183,11 +191,12 @@ def _bias(i: int, value: Any) -> tuple[tuple[int, ...], tuple[float, ...]] | Non
             raise SamplingParamError(f"'logit_bias' token ids of request {i} must be ints >= 0 (got {key!r})")
         if isinstance(bias, bool) or not isinstance(bias, (int, float, np.integer, np.floating)):
             raise SamplingParamError(f"'logit_bias' values of request {i} must be real numbers (got {bias!r})")
-        if not math.isfinite(bias):
+        value = float(bias)
+        if not math.isfinite(value) or abs(value) > F32_MAX:
             raise SamplingParamError(
-                f"'logit_bias' values of request {i} must be finite (got {bias!r} for token {token})"
+                f"'logit_bias' values of request {i} must be finite and fit float32 (got {bias!r} for token {token})"
             )
-        merged[token] = float(bias)  # last one wins on collision, as sglang's dict does
+        merged[token] = value  # last one wins on collision, as sglang's dict does
     if len(merged) > MAX_BIAS_ENTRIES:
         raise SamplingParamError(
             f"'logit_bias' of request {i} must have at most {MAX_BIAS_ENTRIES} entries (got {len(merged)})"
@@ -216,7 +225,9 @@ def pack_foreign(
     top_k = _column(objs, "top_k", integral=True)
     min_p = _column(objs, "min_p", integral=False)
     seed = _column(objs, "sampling_seed", integral=True)
-    _check(~np.isfinite(temp) | (temp < 0), "temperature", "must be finite and >= 0", temp)
+    _check(
+        ~np.isfinite(temp) | (temp < 0) | (temp > F32_MAX), "temperature", "must be finite, >= 0 and fit float32", temp
+    )
     _check(~((top_p > 0) & (top_p <= 1)), "top_p", "must be in (0, 1]", top_p)
     _check(~((min_p >= 0) & (min_p <= 1)), "min_p", "must be in [0, 1]", min_p)
     _check((top_k != -1) & ((top_k < 1) | (top_k > TOP_K_ALL)), "top_k", "must be >= 1, or -1 for all tokens", top_k)

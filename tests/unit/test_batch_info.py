@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pinpool import PinnedRingBuffer, PoolSettings, StaleLeaseError
+from pinpool import PinnedRingBuffer, PoolSettings, PoolStateError, StaleLeaseError
 from sampling import TOP_K_ALL, BatchMismatchError, SamplingBatchInfo, SamplingParams
 from tests.fakes import Batch, Req, random_params
 
@@ -223,3 +223,53 @@ def test_the_sampler_never_builds_the_dense_bias() -> None:
     assert Sampler()(logits, info).tolist() == [2, 7]
     assert logits[0, 2].item() == 0.0  # the caller's logits are not changed
     assert info._dense_bias is None  # white-box: nothing built the dense matrix
+
+
+def _biased(pool: PinnedRingBuffer, temps: list[float], biased: set[int]) -> SamplingBatchInfo:
+    reqs = [
+        Req(SamplingParams(temperature=t, logit_bias={i: 10.0} if i in biased else None)) for i, t in enumerate(temps)
+    ]
+    return SamplingBatchInfo.from_schedule_batch(Batch(reqs), 8, pool, owned=True)
+
+
+def test_a_filter_that_fails_leaves_the_batch_as_it_was() -> None:
+    """Catches filter_batch replacing the columns before its bias copy raised: a batch of 2 rows with
+    3 rows of views and a bias entry on row 2 (the kernel would then write past the logits)."""
+    pool = make_pool()
+    info = _biased(pool, [0.5, 0.6, 0.7], {0, 2})
+    before = (info.temperatures.clone(), info.sparse_logit_bias.rows.tolist())  # type: ignore[union-attr]
+    with pool.stage(), pytest.raises(PoolStateError):  # the bias copy cannot open a stage inside one
+        info.filter_batch([2, 1], torch.tensor([2, 1]))
+    assert len(info) == 3
+    assert torch.equal(info.temperatures, before[0])
+    assert info.sparse_logit_bias.rows.tolist() == before[1]  # type: ignore[union-attr]
+
+
+def test_a_merge_that_fails_leaves_the_batch_as_it_was() -> None:
+    """Catches merge_batch growing the batch's rows while its views and bias entries stay the old ones."""
+    pool = make_pool()
+    a, b = _biased(pool, [0.5], {0}), _biased(pool, [0.9, 1.1], {1})
+    with pool.stage(), pytest.raises(PoolStateError):
+        a.merge_batch(b)
+    assert len(a) == 1 and a.temperatures.numel() == 1
+    assert a.sparse_logit_bias.rows.tolist() == [0]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("keep", [[0.9, 2.7], [True, False, True]])
+def test_filter_refuses_indices_that_are_not_integers(keep: list[object]) -> None:
+    """Catches floats truncated to other rows, or a bool mask read as the indices 1, 0, 1."""
+    info = _biased(make_pool(), [0.5, 0.6, 0.7], set())
+    with pytest.raises(BatchMismatchError, match="'keep_indices' must be integer row indices"):
+        info.filter_batch(keep)
+    assert len(info) == 3
+
+
+def test_a_stage_of_another_pool_is_refused_before_anything_is_reserved_in_it() -> None:
+    """Catches a refused stage= build that still grew the caller's stage (bytes copied for nothing)."""
+    p1, p2 = make_pool(), make_pool()
+    with p2.stage() as st:
+        st.put([1, 2, 3], torch.int32)
+        before = st.used_bytes
+        with pytest.raises(PoolStateError, match="'stage' must be a stage of 'pool'"):
+            SamplingBatchInfo.from_schedule_batch(Batch([Req(SamplingParams())] * 5), VOCAB, p1, stage=st)
+        assert st.used_bytes == before

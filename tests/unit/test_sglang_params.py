@@ -155,7 +155,7 @@ def test_none_means_sglangs_default() -> None:
     ("kw", "message"),
     [
         ({"top_p": 1.5}, "'top_p' of request 1 must be in (0, 1] (got 1.5)"),
-        ({"temperature": float("nan")}, "'temperature' of request 1 must be finite and >= 0 (got nan)"),
+        ({"temperature": float("nan")}, "'temperature' of request 1 must be finite, >= 0 and fit float32 (got nan)"),
         ({"temperature": "hot"}, "'temperature' of request 1 must be a real number (got 'hot')"),
         ({"top_k": 0}, "'top_k' of request 1 must be >= 1, or -1 for all tokens (got 0)"),
         ({"top_k": 2.5}, "'top_k' of request 1 must be an int (got 2.5)"),
@@ -163,8 +163,15 @@ def test_none_means_sglangs_default() -> None:
         ({"sampling_seed": 2**64}, "'sampling_seed' of request 1 must be in [-2**63, 2**63)"),
         ({"logit_bias": {"x": 1.0}}, "'logit_bias' keys of request 1 must be token ids (got 'x')"),
         ({"logit_bias": {"-2": 1.0}}, "'logit_bias' token ids of request 1 must be ints >= 0 (got '-2')"),
-        ({"logit_bias": {"3": float("inf")}}, "'logit_bias' values of request 1 must be finite (got inf for token 3)"),
+        (
+            {"logit_bias": {"3": float("inf")}},
+            "'logit_bias' values of request 1 must be finite and fit float32 (got inf for token 3)",
+        ),
         ({"logit_bias": [1]}, "'logit_bias' of request 1 must be a mapping"),
+        ({"temperature": 1e39}, "'temperature' of request 1 must be finite, >= 0 and fit float32 (got 1e+39)"),
+        ({"logit_bias": {"3": -1e39}}, "'logit_bias' values of request 1 must be finite and fit float32 (got -1e+39"),
+        ({"top_k": True}, "'top_k' of request 1 must be an int (got True)"),
+        ({"temperature": True}, "'temperature' of request 1 must be a real number (got True)"),
     ],
 )
 @pytest.mark.parametrize("bs", [2, sglang_params.SMALL_BATCH + 5])

@@ -149,6 +149,19 @@ def bad_cases() -> list[tuple[str, dict[str, Any], str]]:
             {**ok, "prefix_lens": [-1, 0], "seq_lens": [0, 2]},
             "'prefix_lens' of request 0 must be >= 0 (got -1)",
         ),
+        (  # int64 wrap-around: seq - prefix == extend and sum(extend) == 3 both hold modulo 2**64
+            "wrapping lengths",
+            {
+                "req_pool_indices": [0, 1, 2],
+                "prefix_lens": [1, 1, 0],
+                "seq_lens": [-(2**63), -(2**63), 5],
+                "extend_lens": [2**63 - 1, 2**63 - 1, 5],
+                "out_cache_loc": torch.arange(3),
+                "prefix_tensors": [t, t, t],
+            },
+            f"'seq_lens' of request 0 must be >= 0 (got {-(2**63)})",
+        ),
+        ("strided loc", {**ok, "out_cache_loc": torch.arange(6)[::2]}, "'out_cache_loc' must be contiguous"),
     ]
 
 
