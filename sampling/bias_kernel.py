@@ -62,6 +62,12 @@ def _check(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, value
             f"'logits' must be float32/float16/bfloat16 [bs, vocab] with unit inner stride (got {logits.dtype} "
             f"{tuple(logits.shape)}, strides {logits.stride()})"
         )
+    overlapping = logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]
+    if overlapping:  # an expanded (stride-0) or overlapping view: one row's entries would land on others
+        raise BatchMismatchError(
+            f"'logits' rows must not overlap (got strides {logits.stride()} for shape {tuple(logits.shape)}): "
+            "pass a contiguous tensor"
+        )
     n = rows.shape[0] if rows.dim() == 1 else -1
     for name, t, dtype in (
         ("rows", rows, torch.int32),

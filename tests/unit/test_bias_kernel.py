@@ -66,6 +66,7 @@ def test_launcher_refuses_bad_inputs_naming_them() -> None:
     cases = [
         ((logits.long(), rows, tokens, values), "'logits' must be float32/float16/bfloat16"),
         ((logits.t(), rows, tokens, values), "unit inner stride"),
+        ((torch.zeros(1, 5).expand(2, 5), rows, tokens, values), "'logits' rows must not overlap"),
         ((logits, rows.long(), tokens, values), "'rows' must be contiguous torch.int32"),
         (
             (logits, rows, torch.tensor([1, 2], dtype=torch.int32), values),

@@ -270,7 +270,7 @@ def test_int64_prefixes_match_sglangs_own_call(bs: int) -> None:
         assert torch.equal(rtt.req_to_token, want)
 
 
-@pytest.mark.parametrize("bs", [0, 1, 7, 48])
+@pytest.mark.parametrize("bs", [0, 1, 7, 48, 64])
 def test_small_batch_pass_builds_the_vectorised_metadata(bs: int) -> None:
     """Catches the plain-Python pass for small batches (lists only) building metadata that differs from
     the vectorised checks' (a start offset, a row order or a tagged address), or keeping other tensors alive."""
