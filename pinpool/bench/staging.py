@@ -26,7 +26,8 @@ FIELDS: tuple[torch.dtype, ...] = (torch.float32, torch.float32, torch.int32, to
 MODES = ("sync", "pinned", "persistent", "pool")
 
 
-def _lists(bs: int, seed: int = 0) -> list[list[Any]]:
+def field_lists(bs: int, seed: int = 0) -> list[list[Any]]:
+    """The five sampling-shaped Python lists every staging workload stages (shared with zero_copy)."""
     rng = random.Random(seed)
     return [
         [rng.uniform(0.1, 1.5) for _ in range(bs)],
@@ -39,7 +40,7 @@ def _lists(bs: int, seed: int = 0) -> list[list[Any]]:
 
 def make_step(mode: str, bs: int, device: torch.device, pool: PinnedRingBuffer | None) -> Callable[[], Any]:
     """One host-side staging step of ``mode`` for batch size ``bs``."""
-    lists = _lists(bs)
+    lists = field_lists(bs)
     pin = device.type == "cuda"
     if mode == "sync":
         return lambda: [

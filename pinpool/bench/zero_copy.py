@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from pinpool.bench.kit import BenchContext, Spread, Table, host_us_spread, ratio
+from pinpool.bench.staging import FIELDS, field_lists
 from pinpool.platform import device_alias
 from pinpool.ring import PinnedRingBuffer
 from pinpool.settings import PoolSettings
 
-FIELDS: tuple[torch.dtype, ...] = (torch.float32, torch.float32, torch.int32, torch.float32, torch.int64)
 MODES = ("copy", "zero-copy", "uva-ring")
 READERS = (1, 4)
 #: Steps queued back to back behind a GPU sleep for the device figure; the ring is deeper.
@@ -37,17 +37,6 @@ LAG_STEPS = 200
 LAG_CYCLES = 2_000_000  # ~1 ms of GPU sleep, drawn at random per lagging step
 
 Step = Callable[[list[list[Any]]], list[torch.Tensor]]
-
-
-def _lists(bs: int, seed: int = 0) -> list[list[Any]]:
-    rng = random.Random(seed)
-    return [
-        [rng.uniform(0.1, 1.5) for _ in range(bs)],
-        [rng.uniform(0.5, 1.0) for _ in range(bs)],
-        [rng.randint(1, 100) for _ in range(bs)],
-        [rng.uniform(0.0, 0.2) for _ in range(bs)],
-        [rng.randint(0, 2**40) for _ in range(bs)],
-    ]
 
 
 class UvaRing:
@@ -123,7 +112,7 @@ def wrong_under_lag(ctx: BenchContext, mode: str, bs: int, pool: PinnedRingBuffe
     if not ctx.is_cuda:
         return None
     rng = random.Random(bs)
-    base = _lists(bs)
+    base = field_lists(bs)
     seen: list[tuple[torch.Tensor, int]] = []
     stage_uva = uva_stager(bs, ctx.device) if mode == "uva-ring" else None
     for n in range(LAG_STEPS):
@@ -153,7 +142,7 @@ def workload(ctx: BenchContext) -> list[Table]:
         return [Table.build("zero-copy: refused", ("reason",), [(pool.platform.reason,)])]
     rows = []
     for bs in ctx.batch_sizes:
-        lists = _lists(bs)
+        lists = field_lists(bs)
         for readers in READERS:
             ctx.progress(f"zero-copy bs={bs} readers={readers}")
             host: dict[str, Spread] = {}
