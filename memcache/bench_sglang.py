@@ -19,7 +19,7 @@ import torch
 
 from memcache import prefix_check
 from memcache.req_to_token import ReqToTokenPool
-from memcache.sglang_ref import caller_path, load
+from memcache.sglang_ref import call_uploaded, caller_path, load
 from memcache.write_cache import write_cache_indices
 from memcache.write_kernel import META_ROWS, launch_write_req_to_token
 from pinpool import PinnedRingBuffer, PoolSettings
@@ -66,20 +66,7 @@ def _kernel_us(ctx: BenchContext, write: Any, case: dict[str, Any], rtt: ReqToTo
     device = ctx.device
     cpu = [torch.tensor(case[k]) for k in ("req_pool_indices", "prefix_lens", "seq_lens", "extend_lens")]
     dev = [t.to(device) for t in cpu]
-    theirs = partial(
-        write,
-        case["out_cache_loc"],
-        dev[0],
-        cpu[0],
-        dev[1],
-        cpu[1],
-        dev[2],
-        cpu[2],
-        dev[3],
-        cpu[3],
-        case["prefix_tensors"],
-        rtt,
-    )
+    theirs = partial(call_uploaded, write, case["out_cache_loc"], cpu, dev, case["prefix_tensors"], rtt)
     prefix = np.asarray(case["prefix_lens"], dtype=np.int64)
     extend = np.asarray(case["extend_lens"], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(extend)[:-1]])

@@ -157,6 +157,18 @@ def caller_path(
         for v in (req_pool_indices, prefix_lens, seq_lens, extend_lens)
     ]
     dev = [t.to(device, non_blocking=True) for t in cpu]
+    call_uploaded(write, out_cache_loc, cpu, dev, prefix_tensors, req_to_token_pool)
+
+
+def call_uploaded(
+    write: WriteFn,
+    out_cache_loc: torch.Tensor,
+    cpu: list[torch.Tensor],
+    dev: list[torch.Tensor],
+    prefix_tensors: Any,
+    req_to_token_pool: Any,
+) -> None:
+    """``write`` with sglang's argument order, from lists already uploaded (each as a device and host tensor)."""
     write(
         out_cache_loc,
         dev[0],
