@@ -24,6 +24,7 @@ from pinpool.readback import Readback
 from pinpool.ring import PinnedRingBuffer
 from pinpool.settings import OverflowPolicy, PoolSettings
 from pinpool.stage import Stage
+from pinpool.static_inputs import StaticField, StaticInputs, StaticStage
 from pinpool.stats import PoolStats
 from pinpool.sync_guard import no_sync
 from pinpool.transport import is_pin_memory_available
@@ -44,6 +45,9 @@ __all__ = [
     "Readback",
     "SettingsError",
     "Stage",
+    "StaticField",
+    "StaticInputs",
+    "StaticStage",
     "StagingTypeError",
     "StagingValueError",
     "StaleLeaseError",

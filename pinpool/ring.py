@@ -141,6 +141,11 @@ class PinnedRingBuffer:
         return self.settings.device
 
     @property
+    def transport(self) -> Transport:
+        """How this pool moves bytes and fences (for blocks built on it, e.g. ``StaticInputs``)."""
+        return self._transport
+
+    @property
     def closed(self) -> bool:
         return self._closed
 

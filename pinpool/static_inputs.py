@@ -1,0 +1,309 @@
+"""``StaticInputs``: graph-static device inputs, landed each step by one copy from a ring slot.
+
+A captured CUDA graph reads its inputs at the addresses it saw at capture. The ring's
+views rotate between slots, so a graph cannot read them; a ``StaticInputs`` block can.
+Its fields (name, dtype, padding value) are declared once and live in one device
+allocation. For a padded batch of ``rows`` rows the layout is field-major: field ``f``
+holds ``rows`` elements at a fixed offset, so ``views(rows)`` are the same tensors every
+step and a graph captured for ``rows`` reads them. Each graph size has its own layout in
+the same allocation, and a step copies only its own size's bytes.
+
+Each step::
+
+    with block.stage(rows=16, live=13) as st:      # an owned stage of the pool (rule 4)
+        st.put("positions", positions)             # live rows; padding is written on close
+        st.host("seeds")[:] = seeds                # or fill the pinned slot in place
+    graph.replay()                                 # reads block.views(16)
+
+On close the host writes every field's padding, and ONE host-to-device copy lands the
+whole layout in the block: no device-to-device copy, no fill kernel, no allocation.
+
+Stream rules (README, rule 9). The copy runs on the stage's stream (rule 2: fixed at
+open). Work that reads the block on that stream is ordered by the stream. A replay on
+another stream must be registered (``register_reader``): before the copy, the stage's
+stream waits on the device for the work queued on each reader so far (the previous
+replay), and each reader waits for the copy before its next work. No host wait.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from pinpool.encode import NUMPY_DTYPE, as_source, write
+from pinpool.exceptions import PoolStateError, SettingsError, StagingTypeError, StagingValueError
+from pinpool.ring import PinnedRingBuffer
+from pinpool.slots import BoundedCache
+from pinpool.stage import Stage
+from pinpool.transport import Fence, Stream
+
+#: Each field's first byte is aligned to this, whatever the dtypes around it.
+FIELD_ALIGN = 16
+
+
+def _check_dtype(instance: Any, attribute: Any, value: Any) -> None:
+    if value not in NUMPY_DTYPE:
+        raise SettingsError(f"'dtype' of a static field must be one of {sorted(map(str, NUMPY_DTYPE))} (got {value!r})")
+
+
+def _check_name(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, str) or not value.isidentifier():
+        raise SettingsError(f"'name' of a static field must be an identifier (got {value!r})")
+
+
+@attrs.frozen
+class StaticField:
+    """One graph input: a 1-D tensor of ``rows`` elements; rows past the live ones hold ``pad``."""
+
+    name: str = attrs.field(validator=_check_name)
+    dtype: torch.dtype = attrs.field(validator=_check_dtype)
+    pad: int | float = 0
+
+
+class StaticInputs:
+    """One device allocation of graph inputs, restaged in place by one copy per step."""
+
+    def __init__(self, pool: PinnedRingBuffer, fields: Sequence[StaticField], max_rows: int) -> None:
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise SettingsError(f"'max_rows' must be an int >= 1 (got {max_rows!r})")
+        fields = tuple(fields)
+        if not fields or not all(isinstance(f, StaticField) for f in fields):
+            raise SettingsError(f"'fields' must be a non-empty sequence of StaticField (got {fields!r})")
+        names = [f.name for f in fields]
+        if len(set(names)) != len(names):
+            raise SettingsError(f"'fields' names must be unique (got {names})")
+        for f in fields:
+            _pad_array(f)  # refuses a pad value the dtype cannot hold, now rather than per step
+        if _nbytes(fields, max_rows) > pool.settings.slot_bytes:
+            raise SettingsError(
+                f"'max_rows' {max_rows} needs {_nbytes(fields, max_rows)} bytes per step but a slot holds "
+                f"{pool.settings.slot_bytes}; raise PoolSettings.slot_bytes or lower max_rows"
+            )
+        self.pool = pool
+        self.fields = fields
+        self.max_rows = max_rows
+        self._index = {f.name: i for i, f in enumerate(fields)}
+        self._pads = [_pad_array(f) for f in fields]
+        transport = pool.transport
+        self._transport = transport
+        # The block comes from the caching allocator on the pool device's current stream,
+        # which may still have work queued on that memory: the first copy on another
+        # stream waits for it (the same rule as the ring's mirror).
+        alloc_stream = transport.resolve_stream(None)
+        #: The one device allocation every layout lives in (uint8, device memory).
+        self.device_block = transport.alloc_device(_nbytes(fields, max_rows), alloc_stream)
+        self._alloc_stream: Stream | None = alloc_stream  # None once the first copy waited for it
+        self._readers: list[Stream] = []
+        self._read_fences: list[Fence] = []
+        self._landed = transport.new_fence()
+        self._seen_streams: list[Stream] = [alloc_stream]
+        self._device_views: dict[int, dict[str, torch.Tensor]] = {}
+        self._host_views: BoundedCache[tuple[int, int], list[np.ndarray[Any, Any]]] = BoundedCache()
+        self._open: StaticStage | None = None
+
+    # -- layout ------------------------------------------------------------------------
+    def offsets(self, rows: int) -> list[int]:
+        """Byte offset of each field for a padded batch of ``rows`` rows."""
+        return _offsets(self.fields, rows)
+
+    def nbytes(self, rows: int) -> int:
+        """Bytes one step copies for ``rows`` padded rows."""
+        return _nbytes(self.fields, rows)
+
+    def views(self, rows: int) -> Mapping[str, torch.Tensor]:
+        """name -> device view of ``rows`` elements: fixed addresses, for a graph to capture."""
+        self._check_rows(rows)
+        views = self._device_views.get(rows)
+        if views is None:
+            views = self._device_views[rows] = {
+                f.name: self.device_block[off : off + rows * _itemsize(f.dtype)].view(f.dtype)
+                for f, off in zip(self.fields, self.offsets(rows), strict=True)
+            }
+        return views
+
+    # -- streams -----------------------------------------------------------------------
+    def register_reader(self, stream: Stream) -> None:
+        """Declare a stream (a graph replay's) that reads the block; see the module's stream rules."""
+        stream = self._transport.resolve_stream(stream)
+        if any(self._transport.same_stream(r, stream) for r in self._readers):
+            return
+        self._readers.append(stream)
+        self._read_fences.append(self._transport.new_fence())
+        self._note_stream(stream)
+
+    @property
+    def readers(self) -> tuple[Stream, ...]:
+        return tuple(self._readers)
+
+    # -- staging -----------------------------------------------------------------------
+    def stage(self, rows: int, live: int, *, stream: Stream | None = None) -> StaticStage:
+        """Open this step's stage: ``live`` real rows of a graph sized ``rows``.
+
+        The stream is fixed now (rule 2): the one passed, or the pool device's current one.
+        """
+        self._check_rows(rows)
+        if isinstance(live, bool) or not isinstance(live, int) or not 0 <= live <= rows:
+            raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
+        if self._open is not None:
+            raise PoolStateError("a StaticInputs stage is already open: close it before opening the next")
+        st = self.pool.stage(stream=stream, owned=self.device_block)
+        try:
+            host_raw, _ = st.reserve(self.nbytes(rows), torch.uint8, name="static inputs")
+        except BaseException:
+            st.close(ok=False)
+            raise
+        key = (st.slot, rows)
+        host = self._host_views.get(key)
+        if host is None:
+            host = self._host_views.put(
+                key,
+                [
+                    host_raw[off : off + rows * _itemsize(f.dtype)].view(NUMPY_DTYPE[f.dtype])
+                    for f, off in zip(self.fields, self.offsets(rows), strict=True)
+                ],
+            )
+        opened = self._open = StaticStage(self, st, host, rows, live)
+        self._note_stream(st.stream)
+        return opened
+
+    # -- used by StaticStage -------------------------------------------------------------
+    def field_index(self, name: str) -> int:
+        index = self._index.get(name)
+        if index is None:
+            raise StagingValueError(f"'name' must be a declared static field, one of {list(self._index)} (got {name!r})")
+        return index
+
+    def finish(self, sst: StaticStage, ok: bool) -> None:
+        self._open = None
+        st = sst.stage
+        if not ok:
+            st.close(ok=False)  # nothing copied: the block keeps the previous step's values
+            return
+        live, rows = sst.live, sst.rows
+        if live < rows:
+            for view, pad in zip(sst.host_views, self._pads, strict=True):
+                view[live:] = pad
+        transport, stream = self._transport, st.stream
+        # Before the copy overwrites the block: the previous readers' work must be done.
+        for reader, fence in zip(self._readers, self._read_fences, strict=True):
+            if not transport.same_stream(reader, stream):
+                fence.record(reader)
+                transport.stream_wait(stream, fence)
+        alloc = self._alloc_stream
+        if alloc is not None:
+            # The first copy: the allocation stream is the block's first previous user.
+            self._alloc_stream = None
+            if not transport.same_stream(alloc, stream):
+                fence = transport.new_fence()
+                fence.record(alloc)
+                transport.stream_wait(stream, fence)
+        st.close(ok=True)  # the one copy, on the stage's stream, then the slot's fence
+        waiting = [r for r in self._readers if not transport.same_stream(r, stream)]
+        if waiting:
+            self._landed.record(stream)
+            for reader in waiting:
+                transport.stream_wait(reader, self._landed)
+
+    def _note_stream(self, stream: Stream) -> None:
+        # torch's caching allocator frees a block for reuse by its allocation stream only:
+        # a block also used on other streams is recorded there, so teardown cannot hand
+        # it out while a copy or a replay queued on them may still touch it.
+        if any(self._transport.same_stream(s, stream) for s in self._seen_streams):
+            return
+        self._seen_streams.append(stream)
+        block = self.device_block
+        if isinstance(stream, torch.cuda.Stream) and block.is_cuda:
+            block.record_stream(stream)
+
+    def _check_rows(self, rows: int) -> None:
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= self.max_rows:
+            raise StagingValueError(f"'rows' must be an int in [1, max_rows={self.max_rows}] (got {rows!r})")
+
+
+class StaticStage:
+    """This step's values for a ``StaticInputs`` block: every field must be written before close."""
+
+    __slots__ = ("_block", "_written", "host_views", "live", "rows", "stage")
+
+    def __init__(self, block: StaticInputs, stage: Stage, host_views: list[np.ndarray[Any, Any]], rows: int, live: int):
+        self._block = block
+        self.stage = stage
+        self.host_views = host_views
+        self.rows = rows
+        self.live = live
+        self._written = 0  # bit i: field i was written this step
+
+    @property
+    def stream(self) -> Stream:
+        return self.stage.stream
+
+    def host(self, name: str) -> np.ndarray[Any, Any]:
+        """The pinned host view of ``name``'s live rows, to fill in place before close."""
+        i = self._block.field_index(name)
+        self._written |= 1 << i
+        return self.host_views[i][: self.live]
+
+    def put(self, name: str, values: Any) -> None:
+        """Write ``live`` values of field ``name`` (list, numpy array or CPU tensor), converted exactly."""
+        i = self._block.field_index(name)
+        dtype = self._block.fields[i].dtype
+        if isinstance(values, np.ndarray) and values.dtype == NUMPY_DTYPE[dtype] and values.shape == (self.live,):
+            self.host_views[i][: self.live] = values  # hot path: the engine's own arrays
+        else:
+            src, target, shape = as_source(values, dtype, name)
+            if shape != (self.live,):
+                raise StagingValueError(f"'{name}' must hold live={self.live} values (got shape {shape})")
+            write(self.host_views[i][: self.live], src, target, name)
+        self._written |= 1 << i
+
+    def __enter__(self) -> StaticStage:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close(ok=exc_type is None)
+
+    def close(self, ok: bool = True) -> None:
+        """Pad, then the one copy (``ok``); or abort, leaving the block as it was."""
+        if not self.stage.is_open:
+            return
+        missing = [f.name for i, f in enumerate(self._block.fields) if not self._written >> i & 1]
+        if ok and missing:
+            self._block.finish(self, ok=False)
+            raise PoolStateError(
+                f"every static field must be written each step (missing: {missing}); the slot still holds an "
+                "older step's values there, so the stage was aborted and nothing was copied"
+            )
+        self._block.finish(self, ok)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return int(NUMPY_DTYPE[dtype].itemsize)
+
+
+def _offsets(fields: Sequence[StaticField], rows: int) -> list[int]:
+    out, cursor = [], 0
+    for f in fields:
+        out.append(cursor)
+        cursor += (rows * _itemsize(f.dtype) + FIELD_ALIGN - 1) // FIELD_ALIGN * FIELD_ALIGN
+    return out
+
+
+def _nbytes(fields: Sequence[StaticField], rows: int) -> int:
+    last = fields[-1]
+    return _offsets(fields, rows)[-1] + rows * _itemsize(last.dtype)
+
+
+def _pad_array(f: StaticField) -> np.ndarray[Any, Any]:
+    pad = np.zeros(1, NUMPY_DTYPE[f.dtype])
+    try:
+        write(pad, [f.pad], f.dtype, f"{f.name}.pad")
+    except (StagingValueError, StagingTypeError) as err:
+        raise SettingsError(f"'pad' of static field {f.name!r} must fit {f.dtype} (got {f.pad!r}): {err}") from None
+    return pad[0]
