@@ -175,7 +175,8 @@ class StaticInputs:
     def field_index(self, name: str) -> int:
         index = self._index.get(name)
         if index is None:
-            raise StagingValueError(f"'name' must be a declared static field, one of {list(self._index)} (got {name!r})")
+            known = list(self._index)
+            raise StagingValueError(f"'name' must be a declared static field, one of {known} (got {name!r})")
         return index
 
     def finish(self, sst: StaticStage, ok: bool) -> None:
