@@ -301,7 +301,8 @@ def _nbytes(fields: Sequence[StaticField], rows: int) -> int:
     return _offsets(fields, rows)[-1] + rows * _itemsize(last.dtype)
 
 
-def _pad_array(f: StaticField) -> np.ndarray[Any, Any]:
+def _pad_array(f: StaticField) -> Any:
+    """The pad value as a numpy scalar of the field's dtype, checked once."""
     pad = np.zeros(1, NUMPY_DTYPE[f.dtype])
     try:
         write(pad, [f.pad], f.dtype, f"{f.name}.pad")
