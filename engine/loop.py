@@ -164,7 +164,7 @@ class Engine:
             prefix_lens.append(r.shared_len if cached is not None else 0)
             prefix_tensors.append(cached if cached is not None else _EMPTY_PREFIX[self.device])
         extend = [len(r.prompt) - p for r, p in zip(reqs, prefix_lens, strict=True)]
-        rows, out_cache_loc = allocate_extend(self.rtt, self.kv, len(reqs), sum(extend))
+        rows, out_cache_loc = self._alloc_extend(reqs, prefix_lens, extend)
         seq = [len(r.prompt) for r in reqs]
         for r, row, p in zip(reqs, rows, prefix_lens, strict=True):
             r.row, r.seq_len, r.owned_from = row, len(r.prompt), p
@@ -205,15 +205,28 @@ class Engine:
                 self.prefix_cache[r.prefix_group] = self.rtt.req_to_token[r.row, : r.shared_len].clone()
                 r.owned_from = r.shared_len  # those slots now belong to the cache
         self.running += reqs
-        if self.info is None:
-            self.info, self.last_tokens = info, new_tokens
-        else:
-            assert self.last_tokens is not None
-            with self.staging("prefill.merge"):
-                self.info.merge_batch(info)
-            self.last_tokens = torch.cat([self.last_tokens, new_tokens])
+        self._join(info, new_tokens, rows_d, last_d)
         with self.staging("prefill.readback"):
             return self.reader.start(new_tokens)
+
+    def _alloc_extend(
+        self, reqs: list[Request], prefix_lens: list[int], extend: list[int]
+    ) -> tuple[list[int], torch.Tensor]:
+        """Rows for ``reqs`` and their new KV slots (a device tensor), both or neither."""
+        return allocate_extend(self.rtt, self.kv, len(reqs), sum(extend))
+
+    def _join(self, info: Any, new_tokens: torch.Tensor, rows_d: torch.Tensor, last_d: torch.Tensor) -> None:
+        """Add a prefill's requests (already in ``running``) to the decode batch's device state.
+
+        ``rows_d[last_d]``: each new request's row, on the device (the graph loop keys tokens by row).
+        """
+        if self.info is None:
+            self.info, self.last_tokens = info, new_tokens
+            return
+        assert self.last_tokens is not None
+        with self.staging("prefill.merge"):
+            self.info.merge_batch(info)
+        self.last_tokens = torch.cat([self.last_tokens, new_tokens])
 
     def _decode(self) -> Pending:
         reqs, bs = self.running, len(self.running)
@@ -305,8 +318,7 @@ class Engine:
             return
         for r in self.running:
             if r.done:
-                self.kv.free(self.rtt.req_to_token[r.row, r.owned_from : r.seq_len].long())
-                self.rtt.free(r.row)
+                self._free(r)
         self.running = [self.running[i] for i in keep]
         if not keep:
             self.info, self.last_tokens = None, None
@@ -316,6 +328,11 @@ class Engine:
             self.info.filter_batch(keep, keep_d)
         assert self.last_tokens is not None
         self.last_tokens = self.last_tokens.index_select(0, keep_d)
+
+    def _free(self, r: Request) -> None:
+        """Give back a finished request's own KV slots and its row."""
+        self.kv.free(self.rtt.req_to_token[r.row, r.owned_from : r.seq_len].long())
+        self.rtt.free(r.row)
 
 
 class StagingClock:

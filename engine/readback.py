@@ -34,10 +34,15 @@ class TokenReader:
         """Queue the copy of ``tokens`` (int64 [n], device) now; the returned call reads it."""
         if self._pooled:
             return self.wrap(self.pool.readback(tokens))
-        if self.mode == "sync" or not self._cuda:
+        if not self._cuda:
+            # Host memory: reading now costs no sync, and the source may be a buffer the
+            # next step rewrites (the graph loop's out_tokens).
+            now: list[int] = tokens.tolist()
+            return lambda: now
+        if self.mode == "sync":
 
             def read_sync() -> list[int]:
-                self.waits += self._cuda
+                self.waits += 1
                 start = time.perf_counter()
                 values: list[int] = tokens.tolist()  # sync-ok: the naive pattern under comparison
                 self.wait_seconds += time.perf_counter() - start

@@ -1,0 +1,313 @@
+"""The reference loop with CUDA-graph decode and overlap scheduling, in three staging modes.
+
+Prefill stays eager (``engine.loop``). Each decode step takes the smallest captured
+graph that holds the running batch (``engine.graph``), lands the step's inputs in the
+graph's static block, replays it on the forward stream and queues one read-back of the
+sampled tokens. As in ``engine.loop`` the host reads step N's tokens only after step
+N+1 is queued, so it schedules and stages a step while the GPU runs the previous one.
+
+Streams, as sglang's overlap scheduler has them: the scheduler's stream (current when
+the engine is built) is where host-to-device uploads go; the forward, the replay and the
+read-back run on a stream of their own.
+
+The modes differ only in how the static block gets its values:
+
+- ``pinned``: per step, rows and positions as pinned temporaries with non-blocking
+  copies (PR #28076) on the scheduler's stream; the forward stream waits for them, then
+  device-to-device copies and padding fills write the graph inputs (KV slots from the
+  device free list; the sampling parameters, uploaded when the batch changes, are
+  copied into the graph inputs then);
+- ``sglang``: the batch state stays on the device: positions are incremented there, KV
+  slots come from the device free list, and device-to-device copies and padding fills
+  write the graph inputs. Nothing is uploaded in steady decode (the batch is uploaded
+  when it changes);
+- ``pool``: the scheduler keeps the batch on the host (KV slots from a host free list,
+  ``memcache.HostKVAllocator``) and one ``StaticInputs`` stage lands every field,
+  padding included, in ONE host-to-device copy; the forward stream is a registered
+  reader of the block, so the stream rules order the copy and the replays.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Literal
+
+import attrs
+import numpy as np
+import torch
+
+from engine.graph import DEFAULT_SIZES, DecodeGraphs
+from engine.loop import Engine, EngineConfig, _Batch
+from engine.model import ModelConfig
+from engine.readback import Pending, TokenReader
+from engine.requests import Request
+from memcache import AllocationError
+from memcache.host_kv_allocator import HostKVAllocator
+from sampling import SamplingBatchInfo
+from sampling.params import RECORD_DTYPE
+from sampling.static import sampling_columns
+
+GraphMode = Literal["pinned", "sglang", "pool"]
+GRAPH_MODES: tuple[GraphMode, ...] = ("pinned", "sglang", "pool")
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
+_TORCH_DTYPE = {"temperature": torch.float32, "top_p": torch.float32, "top_k": torch.int32, "min_p": torch.float32}
+
+
+@attrs.frozen
+class GraphConfig:
+    #: False: the same padded steps as plain calls (the CPU path, and the eager twin).
+    capture: bool = True
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    #: Tests: queue up to this many cycles of GPU sleep on the forward stream before each
+    #: replay (seeded), so the host runs far ahead of the device.
+    lag_cycles: int = 0
+    lag_seed: int = 0
+    #: pool mode: where the block's copy goes. "forward": on the forward stream, ordered
+    #: with the replays by the stream itself; "schedule": on the scheduler's stream, with
+    #: the forward stream a registered reader of the block (the stream rules order them).
+    upload_stream: Literal["forward", "schedule"] = "forward"
+
+
+class _HostBatch:
+    """The running batch as the pool mode's scheduler holds it: numpy columns, built on change."""
+
+    def __init__(self, reqs: list[Request]) -> None:
+        self.rows = np.fromiter((r.row for r in reqs), np.int64, len(reqs))
+        self.positions = np.fromiter((r.seq_len for r in reqs), np.int64, len(reqs))
+        records = np.frombuffer(b"".join([r.sampling_params.record for r in reqs]), RECORD_DTYPE)
+        self.sampling = sampling_columns(records)
+
+
+class _DeviceBatch:
+    """The running batch as the device-state modes hold it: rows and positions on the device."""
+
+    def __init__(self, engine: GraphEngine, reqs: list[Request]) -> None:
+        up = engine.uploader
+        fields: list[tuple[Any, torch.dtype]] = [
+            ([r.row for r in reqs], torch.int64),
+            ([r.seq_len for r in reqs], torch.int64),
+        ]
+        records = np.frombuffer(b"".join([r.sampling_params.record for r in reqs]), RECORD_DTYPE)
+        cols = sampling_columns(records)
+        fields += [(cols[name], _TORCH_DTYPE.get(name, torch.int64)) for name in _SAMPLING]
+        uploaded = up.upload("batch", fields)
+        self.rows, self.positions = uploaded[0], uploaded[1]
+        self.sampling = dict(zip(_SAMPLING, uploaded[2:], strict=True))
+        self.fresh = True  # the sampling inputs still have to be copied into the graph inputs
+
+
+class GraphEngine(Engine):
+    """``Engine`` with graph decode on a forward stream; ``mode``: one of ``GRAPH_MODES``."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        mode: GraphMode,
+        device: torch.device,
+        cfg: EngineConfig,
+        graph_cfg: GraphConfig | None = None,
+    ) -> None:
+        if mode not in GRAPH_MODES:
+            raise ValueError(f"'mode' must be one of {', '.join(GRAPH_MODES)} (got {mode!r})")
+        super().__init__(model_cfg, "pool" if mode == "pool" else "pinned", device, cfg)
+        self.graph_mode: GraphMode = mode
+        self.graph_cfg = graph_cfg or GraphConfig()
+        cuda = device.type == "cuda"
+        self.cuda = cuda
+        # The scheduler's stream (uploads) and the forward stream (prefill, replays, reads).
+        self.schedule_stream = torch.cuda.current_stream(device) if cuda else None
+        self.forward_stream = torch.cuda.Stream(device) if cuda else None
+        if mode == "sglang":
+            self.reader = TokenReader("persistent", self.pool)  # no pinned allocation per step
+        # One request row is reserved for padding: it is never handed to a request.
+        self.pad_row = self.rtt.alloc(1)[0]
+        if mode == "pool":
+            self.kv = HostKVAllocator(cfg.kv_slots)  # type: ignore[assignment]
+            #: int64 [rows, max_context_len]: the KV slot of each (row, position), on the host.
+            self.slot_of = np.zeros((self.rtt.size, model_cfg.max_context_len), dtype=np.int64)
+        self._lag = random.Random(self.graph_cfg.lag_seed) if self.graph_cfg.lag_cycles else None
+        extra = None
+        if self.extra_cycles:
+            cycles = self.extra_cycles
+            extra = lambda: torch.cuda._sleep(cycles)  # noqa: E731
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.pool,
+            self.rtt.req_to_token,
+            self.cache,
+            max_rows=cfg.max_running,
+            pad_row=self.pad_row,
+            vocab_size=model_cfg.vocab_size,
+            width=model_cfg.max_context_len,
+            capture=self.graph_cfg.capture and cuda,
+            sizes=self.graph_cfg.sizes,
+            extra_work=extra,
+        )
+        #: Where the pool mode's block copy goes (None: the host path).
+        self.upload_stream = self.forward_stream
+        if self.forward_stream is not None:
+            if self.graph_cfg.upload_stream == "schedule":
+                self.upload_stream = self.schedule_stream
+                self.graphs.block.register_reader(self.forward_stream)
+            self.graphs.capture_all(self.forward_stream, self.upload_stream)
+        self._batch: Any = None  # _HostBatch / _DeviceBatch of the running set, None after a change
+        self._written_shape: tuple[int, int] | None = None  # (rows, bs) the graph inputs' padding is for
+        self.replays = 0
+
+    # -- hooks of Engine -------------------------------------------------------------------
+    def _prefill(self, reqs: list[Request]) -> Pending:
+        with self._on_forward():
+            return super()._prefill(reqs)
+
+    def _alloc_extend(
+        self, reqs: list[Request], prefix_lens: list[int], extend: list[int]
+    ) -> tuple[list[int], torch.Tensor]:
+        if self.graph_mode != "pool":
+            return super()._alloc_extend(reqs, prefix_lens, extend)
+        total = sum(extend)
+        if len(reqs) > self.rtt.available_size() or total > self.kv.available_size():
+            raise AllocationError(f"prefill needs {len(reqs)} rows and {total} KV slots; nothing was allocated")
+        rows = self.rtt.alloc(len(reqs))
+        slots = self.kv.alloc(total)
+        start = 0
+        for row, p, e in zip(rows, prefix_lens, extend, strict=True):
+            self.slot_of[row, p : p + e] = slots[start : start + e]
+            start += e
+        (slots_d,) = self.uploader.upload("prefill.slots", [(slots, torch.int64)])
+        return rows, slots_d
+
+    def _sampling_info(self, reqs: list[Request]) -> Any:
+        if self.graph_mode == "pool":
+            # Read once by the prefill's sampler: a ring stage, no owned allocation.
+            return SamplingBatchInfo.from_schedule_batch(
+                _Batch(reqs, self.device), self.model_cfg.vocab_size, self.pool, deterministic=True
+            )
+        return super()._sampling_info(reqs)
+
+    def _join(self, info: Any, new_tokens: torch.Tensor, rows_d: torch.Tensor, last_d: torch.Tensor) -> None:
+        # Tokens live on the device by request row; the batch state is rebuilt at the next decode.
+        self.graphs.tokens_by_row[rows_d[last_d]] = new_tokens
+        self._batch = None
+
+    def _free(self, r: Request) -> None:
+        if self.graph_mode == "pool":
+            self.kv.free(self.slot_of[r.row, r.owned_from : r.seq_len])  # type: ignore[arg-type]
+            self.rtt.free(r.row)
+            return
+        super()._free(r)
+
+    def _consume(self, read: Pending, reqs: list[Request]) -> None:
+        with self.staging("read"):
+            tokens = read()
+        for r, token in zip(reqs, tokens, strict=True):
+            r.accept(token)
+        if not any(r.done for r in self.running):
+            return
+        with self._on_forward():  # the device free list is a forward-stream tensor
+            for r in self.running:
+                if r.done:
+                    self._free(r)
+        self.running = [r for r in self.running if not r.done]
+        self._batch = None
+
+    # -- the decode step -----------------------------------------------------------------
+    def _decode(self) -> Pending:
+        reqs, bs = self.running, len(self.running)
+        rows = self.graphs.padded(bs)
+        mode = self.graph_mode
+        with self.staging("decode.stage"):
+            if mode == "pool":
+                self._stage_pool(reqs, bs, rows)
+            elif mode == "pinned":
+                self._stage_pinned(reqs, bs, rows)
+            else:
+                self._stage_sglang(reqs, bs, rows)
+        for r in reqs:
+            r.seq_len += 1
+        with self._on_forward():
+            if self._lag is not None:
+                torch.cuda._sleep(self._lag.randrange(self.graph_cfg.lag_cycles))
+            if self.record_gpu:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            self.graphs.replay(rows)
+            self.replays += 1
+            if self.record_gpu:
+                end.record()
+                self.times.gpu_events.append((start, end))
+            with self.staging("decode.readback"):
+                out = self.graphs.out_tokens[:bs]
+                if mode == "pool":
+                    return self.reader.wrap(self.pool.readback(out))
+                return self.reader.start(out)
+
+    def _stage_pool(self, reqs: list[Request], bs: int, rows: int) -> None:
+        batch = self._batch
+        if batch is None:
+            batch = self._batch = _HostBatch(reqs)
+        slots = self.kv.alloc(bs)
+        positions = batch.positions
+        with self.graphs.block.stage(rows, bs, stream=self.upload_stream) as st:
+            st.put("rows", batch.rows)
+            st.put("positions", positions)
+            st.put("out_cache_loc", slots)
+            for name, values in batch.sampling.items():
+                st.put(name, values)
+        self.slot_of[batch.rows, positions] = slots
+        positions += 1
+
+    def _stage_pinned(self, reqs: list[Request], bs: int, rows: int) -> None:
+        with self._on_forward():
+            fresh = self._batch is None
+            if fresh:
+                self._batch = _DeviceBatch(self, reqs)  # for its sampling tensors
+            rows_d, positions_d = self.uploader.upload(
+                "step", [([r.row for r in reqs], torch.int64), ([r.seq_len for r in reqs], torch.int64)]
+            )
+            self._write_inputs(rows, bs, rows_d, positions_d, self.kv.alloc(bs), fresh)
+
+    def _stage_sglang(self, reqs: list[Request], bs: int, rows: int) -> None:
+        with self._on_forward():
+            fresh = self._batch is None
+            if fresh:
+                self._batch = _DeviceBatch(self, reqs)
+            batch = self._batch
+            self._write_inputs(rows, bs, batch.rows, batch.positions, self.kv.alloc(bs), fresh)
+            batch.positions += 1  # the next step's positions, on the device
+
+    def _write_inputs(
+        self, rows: int, bs: int, rows_d: torch.Tensor, positions_d: torch.Tensor, slots_d: torch.Tensor, fresh: bool
+    ) -> None:
+        """Device-to-device copies into the graph inputs, then padding fills.
+
+        The padding and the sampling inputs are rewritten only when the batch or the graph
+        size changed: in between nothing else writes those bytes (the strongest form of
+        the peers' pattern, which fills padding on every replay).
+        """
+        views = self.graphs.block.views(rows)
+        views["rows"][:bs].copy_(rows_d)
+        views["positions"][:bs].copy_(positions_d)
+        views["out_cache_loc"][:bs].copy_(slots_d)
+        if fresh or (rows, bs) != self._written_shape:
+            self._written_shape = (rows, bs)
+            for name in _SAMPLING:
+                views[name][:bs].copy_(self._batch.sampling[name])
+            if bs < rows:
+                for f in self.graphs.block.fields:
+                    views[f.name][bs:].fill_(f.pad)
+
+    def _on_forward(self) -> Any:
+        """``with``: make the forward stream current (nothing on the host path)."""
+        stream = self.forward_stream
+        return _NULL if stream is None else torch.cuda.stream(stream)
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NULL = _Null()
