@@ -32,13 +32,23 @@ from sampling.static import SAMPLING_FIELDS, StaticSamplingInfo
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 
-def step_fields(pad_row: int) -> tuple[StaticField, ...]:
-    """The block's fields: what one decode step needs per request, then its sampling parameters."""
+#: Steps a ``check_steps`` log holds (step numbers start at 1).
+CHECK_STEPS = 1 << 16
+
+
+def step_fields(pad_row: int, check_steps: bool = False) -> tuple[StaticField, ...]:
+    """The block's fields: what one decode step needs per request, then its sampling parameters.
+
+    ``check_steps`` adds ``step`` (the step's number in every live row), which each replay
+    logs on the device: a replay that read another step's block logs the wrong number.
+    """
+    check = (StaticField("step", torch.int64, pad=-1),) if check_steps else ()
     return (
         StaticField("rows", torch.int64, pad=pad_row),
         StaticField("positions", torch.int64, pad=0),
         StaticField("out_cache_loc", torch.int64, pad=0),
         *SAMPLING_FIELDS,
+        *check,
     )
 
 
@@ -65,6 +75,7 @@ class DecodeGraphs:
         capture: bool,
         sizes: Sequence[int] = DEFAULT_SIZES,
         extra_work: Callable[[], None] | None = None,
+        check_steps: bool = False,
     ) -> None:
         self.model, self.req_to_token, self.cache = model, req_to_token, cache
         self.sizes = graph_sizes(max_rows, sizes)
@@ -74,7 +85,12 @@ class DecodeGraphs:
         self.capture = capture
         self.extra_work = extra_work
         device = req_to_token.device
-        self.block = StaticInputs(pool, step_fields(pad_row), self.max_rows)
+        self.block = StaticInputs(pool, step_fields(pad_row, check_steps), self.max_rows)
+        self.check_steps = check_steps
+        #: check_steps: int64 [CHECK_STEPS]: at index s, the step number (and the first row's
+        #: position) that the replay of step s read from the block; -1 where none ran.
+        self.seen_steps = torch.full((CHECK_STEPS,), -1, dtype=torch.int64, device=req_to_token.device)
+        self.seen_positions = torch.full_like(self.seen_steps, -1)
         #: int64 [req_to_token rows]: each request's newest token, by request row.
         self.tokens_by_row = torch.zeros(req_to_token.shape[0], dtype=torch.int64, device=device)
         #: int64 [max_rows]: the tokens the last replay sampled, padding rows included.
@@ -112,6 +128,10 @@ class DecodeGraphs:
         new_tokens = self._sampler(logits, info, positions)
         self.tokens_by_row[req_rows] = new_tokens  # padding rows all write the reserved row
         self.out_tokens[:rows].copy_(new_tokens)
+        if self.check_steps:
+            step = views["step"][:1].clamp(0, CHECK_STEPS - 1)  # padding-only capture: -1 -> 0
+            self.seen_steps.index_copy_(0, step, views["step"][:1])
+            self.seen_positions.index_copy_(0, step, positions[:1])
 
     def capture_all(self, stream: torch.cuda.Stream, stage_stream: torch.cuda.Stream | None = None) -> None:
         """Capture every size on ``stream`` (largest first, so the smaller share its memory).

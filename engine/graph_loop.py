@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from engine.graph import DEFAULT_SIZES, DecodeGraphs
-from engine.loop import Engine, EngineConfig, _Batch
-from engine.model import ModelConfig
+from engine.loop import Engine, EngineConfig, StagingClock, _Batch
+from engine.model import ModelConfig, SleepModel, TinyDecoder
 from engine.readback import Pending, TokenReader
 from engine.requests import Request
 from memcache import AllocationError
@@ -66,6 +66,9 @@ class GraphConfig:
     #: with the replays by the stream itself; "schedule": on the scheduler's stream, with
     #: the forward stream a registered reader of the block (the stream rules order them).
     upload_stream: Literal["forward", "schedule"] = "forward"
+    #: pool mode: stage each step's number in the block; the replays log what they read
+    #: (``DecodeGraphs.seen_steps``) and ``expected_positions`` says what they should have.
+    check_steps: bool = False
 
 
 class _HostBatch:
@@ -106,10 +109,14 @@ class GraphEngine(Engine):
         device: torch.device,
         cfg: EngineConfig,
         graph_cfg: GraphConfig | None = None,
+        *,
+        model: TinyDecoder | SleepModel | None = None,
     ) -> None:
         if mode not in GRAPH_MODES:
             raise ValueError(f"'mode' must be one of {', '.join(GRAPH_MODES)} (got {mode!r})")
-        super().__init__(model_cfg, "pool" if mode == "pool" else "pinned", device, cfg)
+        super().__init__(model_cfg, "pool" if mode == "pool" else "pinned", device, cfg, model=model)
+        #: Host seconds per decode phase ("stage", "replay", "readback"), summed over steps.
+        self.phases = StagingClock()
         self.graph_mode: GraphMode = mode
         self.graph_cfg = graph_cfg or GraphConfig()
         cuda = device.type == "cuda"
@@ -142,7 +149,10 @@ class GraphEngine(Engine):
             capture=self.graph_cfg.capture and cuda,
             sizes=self.graph_cfg.sizes,
             extra_work=extra,
+            check_steps=self.graph_cfg.check_steps and mode == "pool",
         )
+        #: check_steps: the first row's position each step staged, by step number - 1.
+        self.expected_positions: list[int] = []
         #: Where the pool mode's block copy goes (None: the host path).
         self.upload_stream = self.forward_stream
         if self.forward_stream is not None:
@@ -215,7 +225,7 @@ class GraphEngine(Engine):
         reqs, bs = self.running, len(self.running)
         rows = self.graphs.padded(bs)
         mode = self.graph_mode
-        with self.staging("decode.stage"):
+        with self.staging("decode.stage"), self.phases("stage"):
             if mode == "pool":
                 self._stage_pool(reqs, bs, rows)
             elif mode == "pinned":
@@ -230,12 +240,13 @@ class GraphEngine(Engine):
             if self.record_gpu:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-            self.graphs.replay(rows)
+            with self.phases("replay"):
+                self.graphs.replay(rows)
             self.replays += 1
             if self.record_gpu:
                 end.record()
                 self.times.gpu_events.append((start, end))
-            with self.staging("decode.readback"):
+            with self.staging("decode.readback"), self.phases("readback"):
                 out = self.graphs.out_tokens[:bs]
                 if mode == "pool":
                     return self.reader.wrap(self.pool.readback(out))
@@ -253,6 +264,9 @@ class GraphEngine(Engine):
             st.put("out_cache_loc", slots)
             for name, values in batch.sampling.items():
                 st.put(name, values)
+            if self.graphs.check_steps:
+                st.put("step", np.full(bs, self.replays + 1, dtype=np.int64))
+                self.expected_positions.append(int(positions[0]))
         self.slot_of[batch.rows, positions] = slots
         positions += 1
 

@@ -56,7 +56,16 @@ class _Batch:
 
 
 class Engine:
-    def __init__(self, model_cfg: ModelConfig, mode: Mode, device: torch.device, cfg: EngineConfig) -> None:
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        mode: Mode,
+        device: torch.device,
+        cfg: EngineConfig,
+        *,
+        model: TinyDecoder | SleepModel | None = None,
+    ) -> None:
+        """``model``: an already built model for ``model_cfg`` on ``device`` (a bench shares one across engines)."""
         self.cfg, self.model_cfg, self.mode, self.device = cfg, model_cfg, mode, device
         #: pool-zc: the decode exchange is a zero-copy stage (the platform check runs once, here).
         self.zero_copy = mode == "pool-zc"
@@ -70,9 +79,9 @@ class Engine:
         self.uploader = Uploader(mode, device, self.pool)
         self.reader = TokenReader(mode, self.pool)
         cycles = int(cfg.gpu_work_us * cfg.sleep_cycles_per_us)
-        self.model: TinyDecoder | SleepModel = (
-            SleepModel(model_cfg, device, cycles) if cfg.simulated_model else TinyDecoder(model_cfg, device)
-        )
+        if model is None:
+            model = SleepModel(model_cfg, device, cycles) if cfg.simulated_model else TinyDecoder(model_cfg, device)
+        self.model: TinyDecoder | SleepModel = model
         self.extra_cycles = 0 if cfg.simulated_model else cycles
         self.staging = StagingClock()
         self.rtt = ReqToTokenPool(cfg.max_running + 1, model_cfg.max_context_len, device)

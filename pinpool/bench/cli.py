@@ -28,6 +28,8 @@ WORKLOAD_HELP = {
     "sampling": "SamplingBatchInfo builds per batch size; on CUDA also the sampler's eager draw vs one Triton kernel",
     "memcache": "write_cache_indices per batch size; on CUDA also its Triton kernel vs sglang's (device µs)",
     "decode": "the reference decode loop, every mode, per running-batch size; token streams compared across modes",
+    "decode_graph": "decode replayed as CUDA graphs (host-bound and GPU-bound models), per staging mode, with the "
+    "eager loop",
 }
 CPU_LINE = (
     "CPU run: no pinned memory, async copies or GPU exist here, so every mode copies plain memory and these "

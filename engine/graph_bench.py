@@ -1,0 +1,231 @@
+"""The graph-decode workload of ``pinpool bench``: decode replayed as CUDA graphs, per staging mode.
+
+Two model configs with random weights:
+
+- ``host-bound``: the tiny model (hidden 256, 2 layers), whose replayed step is short
+  enough that the host's per-step work (schedule, stage, replay launch, read-back) sets
+  the pace: small and draft models on fast GPUs;
+- ``GPU-bound``: hidden 1024, 16 layers, where the replay outlasts the host's work.
+
+Modes: ``pinned+graph``, ``sglang+graph``, ``pool+graph`` (``engine.graph_loop``), and
+the eager loop in ``pinned`` and ``pool`` (``engine.loop``) on the same model. Per mode:
+
+- host µs: host time per decode step less the time it waited for the GPU (read-backs
+  and ring stalls): the host's own work;
+- step µs: wall time per decode step (with overlap, the slower of host and GPU);
+- GPU µs: CUDA events around the step's device work on the forward stream;
+- GPU idle: 1 - (GPU time / wall time) over the timed steps;
+- tokens/s: running x 1e6 / step µs (steady decode);
+- copies/step, H2D/step, syncs/step: a separate profiled pass of the same loop.
+
+Every figure is the median over decode steps after a warm-up, then median (min-max) over
+rounds that interleave the modes. Token streams are compared across all modes.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import warnings
+from typing import Any
+
+import attrs
+import torch
+
+from engine.graph_loop import GraphConfig, GraphEngine, GraphMode
+from engine.loop import Engine, EngineConfig
+from engine.model import ModelConfig, TinyDecoder
+from engine.requests import Request, Workload, make_requests
+from pinpool.bench.kit import BenchContext, Spread, Table, ratio
+
+WARM_STEPS = 4
+CONFIGS = {
+    "host-bound": ModelConfig(max_context_len=160),
+    "GPU-bound": ModelConfig(hidden=1024, layers=16, heads=16, ffn=4096, max_context_len=160),
+}
+#: (label, graph mode or None for the eager loop, eager mode)
+MODES: tuple[tuple[str, GraphMode | None, str], ...] = (
+    ("pinned+graph", "pinned", "pinned"),
+    ("sglang+graph", "sglang", "pinned"),
+    ("pool+graph", "pool", "pool"),
+    ("pinned eager", None, "pinned"),
+    ("pool eager", None, "pool"),
+)
+_models: dict[tuple[ModelConfig, str], TinyDecoder] = {}
+
+
+def _model(cfg: ModelConfig, device: torch.device) -> TinyDecoder:
+    key = (cfg, str(device))
+    if key not in _models:
+        _models.clear()  # one config's weights at a time
+        _models[key] = TinyDecoder(cfg, device)
+    return _models[key]
+
+
+def _engine(label: str, model_cfg: ModelConfig, device: torch.device, running: int) -> Engine:
+    cfg = EngineConfig(max_running=running, max_prefill_tokens=1 << 16, kv_slots=running * 160 + 1024)
+    _, graph_mode, eager = next(m for m in MODES if m[0] == label)
+    model = _model(model_cfg, device)
+    if graph_mode is None:
+        return Engine(model_cfg, eager, device, cfg, model=model)  # type: ignore[arg-type]
+    return GraphEngine(model_cfg, graph_mode, device, cfg, GraphConfig(capture=device.type == "cuda"), model=model)
+
+
+def _requests(model_cfg: ModelConfig, running: int, steps: int) -> list[Request]:
+    wl = Workload(num_requests=running, arrival_gap=0, new_tokens=(steps, steps), greedy_share=0.25, seed=1)
+    reqs = make_requests(wl, model_cfg.vocab_size)
+    for r in reqs:  # steady decode: nobody stops early
+        r.sampling_params = attrs.evolve(r.sampling_params, stop_token_ids=())
+    return reqs
+
+
+def measure(ctx: BenchContext, label: str, model_cfg: ModelConfig, running: int, steps: int) -> dict[str, Any]:
+    engine = _engine(label, model_cfg, ctx.device, running)
+    engine.record_gpu = ctx.is_cuda
+    ctx.synchronize()
+    outputs = engine.run(_requests(model_cfg, running, steps))
+    ctx.synchronize()
+    walls = engine.times.decode_wall[WARM_STEPS:]
+    waits = engine.times.decode_gpu_wait[WARM_STEPS:]
+    step_us = statistics.median(walls) * 1e6
+    host_us = statistics.median(w - g for w, g in zip(walls, waits, strict=True)) * 1e6
+    gpu_us = idle = float("nan")
+    if ctx.is_cuda:
+        gpu = [s.elapsed_time(e) * 1e3 for s, e in engine.times.gpu_events[WARM_STEPS:]]
+        gpu_us = statistics.median(gpu)
+        idle = max(0.0, 1.0 - sum(gpu) / (sum(walls) * 1e6))
+    decode_steps = max(1, len(engine.times.decode_wall))
+    phases = {}
+    if isinstance(engine, GraphEngine):
+        phases = {k: v / decode_steps * 1e6 for k, v in engine.phases.by_site.items()}
+    phases["read"] = engine.staging.by_site.get("read", 0.0) / decode_steps * 1e6
+    return {
+        "host_us": host_us,
+        "step_us": step_us,
+        "gpu_us": gpu_us,
+        "idle": idle,
+        "tokens_per_s": running * 1e6 / step_us,
+        "outputs": outputs,
+        "phases": phases,
+    }
+
+
+def count(ctx: BenchContext, label: str, model_cfg: ModelConfig, running: int) -> dict[str, float]:
+    """Copies, host-to-device copies and syncs per decode step, in a profiled pass of its own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = _engine(label, model_cfg, ctx.device, running)
+    engine.submit(_requests(model_cfg, running, 24))
+    while engine.step() != "decode" or engine.iteration < WARM_STEPS + 2:
+        pass
+    ctx.synchronize()
+    steps = 8
+    waits_before = engine.reader.waits + engine.uploader.waits
+    previous = torch.cuda.get_sync_debug_mode()
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+    ):
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                kind = engine.step()
+                assert kind == "decode", kind
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    implicit = sum(1 for w in caught if "synchroniz" in str(w.message))
+    explicit = engine.reader.waits + engine.uploader.waits - waits_before
+    events = prof.events()
+    copies = sum(1 for e in events if e.name.startswith("cudaMemcpy"))
+    h2d = sum(1 for e in events if "HtoD" in e.name)
+    while engine.busy:
+        engine.step()
+    return {"copies": copies / steps, "h2d": h2d / steps, "syncs": (implicit + explicit) / steps}
+
+
+def _spread(results: list[dict[str, Any]], key: str) -> Spread | None:
+    values = [r[key] for r in results if not math.isnan(r[key])]
+    return Spread.of(values) if values else None
+
+
+def workload(ctx: BenchContext) -> list[Table]:
+    cuda = ctx.is_cuda
+    steps = ctx.steps or (48 if cuda else 10)
+    labels = [m[0] for m in MODES]
+    rounds = max(1, min(ctx.repeats, 3))
+    plan = [("host-bound", (1, 16, 64)), ("GPU-bound", (16, 64))] if cuda else [("host-bound", (4,))]
+    if ctx.running is not None:
+        plan = [(name, ctx.running) for name, _ in plan]
+    tables = []
+    for config, sizes in plan:
+        model_cfg = CONFIGS[config]
+        ctx.progress(f"graph decode {config}: warm-up (compiles and captures outside the timings)")
+        for label in labels:
+            measure(ctx, label, model_cfg, min(sizes), 6)
+        for running in sizes:
+            per_mode: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+            for r in range(rounds):
+                for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
+                    ctx.progress(f"graph decode {config} running={running} {label} round {r + 1}/{rounds}")
+                    per_mode[label].append(measure(ctx, label, model_cfg, running, steps))
+            counts = {label: count(ctx, label, model_cfg, running) for label in labels} if cuda else {}
+            tables.append(_table(config, running, steps, rounds, per_mode, counts))
+    return tables
+
+
+def _table(
+    config: str,
+    running: int,
+    steps: int,
+    rounds: int,
+    per_mode: dict[str, list[dict[str, Any]]],
+    counts: dict[str, dict[str, float]],
+) -> Table:
+    rows = []
+    first = next(iter(per_mode.values()))[0]["outputs"]
+    same = all(r["outputs"] == first for results in per_mode.values() for r in results)
+    med = {
+        label: {k: statistics.median(r[k] for r in res) for k in ("host_us", "tokens_per_s")}
+        for label, res in per_mode.items()
+    }
+    for label, results in per_mode.items():
+        c = counts.get(label, {})
+        rows.append(
+            (
+                label,
+                _spread(results, "host_us"),
+                _spread(results, "step_us"),
+                _spread(results, "gpu_us"),
+                statistics.median(r["idle"] for r in results) if not math.isnan(results[0]["idle"]) else None,
+                _spread(results, "tokens_per_s"),
+                c.get("copies"),
+                c.get("h2d"),
+                c.get("syncs"),
+            )
+        )
+    notes = [
+        f"{config} model ({CONFIGS[config].hidden} hidden, {CONFIGS[config].layers} layers), {running} running, "
+        f"{steps} new tokens each, seeded sampling; median over decode steps after {WARM_STEPS} warm-up steps, "
+        f"then median (min-max) over {rounds} interleaved rounds; token streams identical across all modes and "
+        f"rounds: {same}",
+    ]
+    pool = med["pool+graph"]
+    for peer in ("pinned+graph", "sglang+graph"):
+        notes.append(
+            f"pool+graph vs {peer}: tokens/s {ratio(pool['tokens_per_s'], med[peer]['tokens_per_s']):.2f}x, "
+            f"host µs {ratio(pool['host_us'], med[peer]['host_us']):.2f}x (medians)"
+        )
+    phase_line = []
+    for label, results in per_mode.items():
+        phases = results[0]["phases"]
+        if phases:
+            keys = sorted(set().union(*(r["phases"] for r in results)))
+            phase_line.append(
+                label
+                + ": "
+                + ", ".join(f"{k} {statistics.median(r['phases'].get(k, 0.0) for r in results):.1f}" for k in keys)
+            )
+    notes.append("host µs per decode step by phase (mean per step, median over rounds): " + "; ".join(phase_line))
+    columns = ("mode", "host µs", "step µs", "GPU µs", "GPU idle", "tokens/s", "copies/step", "H2D/step", "syncs/step")
+    return Table.build(f"graph decode: {config}, {running} running", columns, rows, notes)
