@@ -92,7 +92,9 @@ class _DeviceBatch:
         ]
         records = np.frombuffer(b"".join([r.sampling_params.record for r in reqs]), RECORD_DTYPE)
         cols = sampling_columns(records)
-        fields += [(cols[name], _TORCH_DTYPE.get(name, torch.int64)) for name in _SAMPLING]
+        # As lists: the per-field pattern builds each tensor from Python values (torch cannot
+        # pin a tensor made from a numpy array).
+        fields += [(cols[name].tolist(), _TORCH_DTYPE.get(name, torch.int64)) for name in _SAMPLING]
         uploaded = up.upload("batch", fields)
         self.rows, self.positions = uploaded[0], uploaded[1]
         self.sampling = dict(zip(_SAMPLING, uploaded[2:], strict=True))

@@ -69,25 +69,26 @@ class TinyDecoder:
         max_len: int,  # host int: longest sequence in the batch (bounds the gather)
     ) -> torch.Tensor:
         cfg = self.cfg
+        hidden = (cfg.hidden,)
         x = self.embed[tokens] + self.pos_embed[positions]
         # Every token attends to the KV slots of its request's row, positions 0..its own.
-        slots = req_to_token[token_rows, :max_len].long()  # [T, max_len]
-        visible = torch.arange(max_len, device=tokens.device)[None, :] <= positions[:, None]
+        slots = req_to_token[token_rows, :max_len]  # int32 [T, max_len]: torch indexes with int32 too
+        visible = (torch.arange(max_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
+        # Few, fused kernels per layer (rms_norm, addmm, one attention call): in a replayed
+        # graph each kernel costs its launch latency on the GPU, and a step of a tiny model
+        # is mostly that.
         for layer, w in enumerate(self.blocks):
-            q, k, v = (_rms(x) @ w["qkv"]).view(-1, 3, cfg.heads, cfg.head_dim).unbind(1)
+            qkv = torch.nn.functional.rms_norm(x, hidden, eps=1e-6) @ w["qkv"]
+            q, k, v = qkv.view(-1, 3, cfg.heads, cfg.head_dim).unbind(1)
             cache.k[layer, out_cache_loc] = k
             cache.v[layer, out_cache_loc] = v
-            keys, values = cache.k[layer][slots], cache.v[layer][slots]  # [T, max_len, heads, hd]
-            scores = torch.einsum("thd,tlhd->thl", q, keys) / math.sqrt(cfg.head_dim)
-            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-            attn = torch.einsum("thl,tlhd->thd", scores.softmax(-1), values).reshape(-1, cfg.hidden)
-            x = x + attn @ w["o"]
-            x = x + torch.nn.functional.gelu(_rms(x) @ w["up"]) @ w["down"]
-        return _rms(x[last_index]) @ self.lm_head
-
-
-def _rms(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            keys = cache.k[layer][slots].transpose(1, 2)  # [T, heads, max_len, hd]
+            values = cache.v[layer][slots].transpose(1, 2)
+            attn = torch.nn.functional.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=visible)
+            x = torch.addmm(x, attn.reshape(-1, cfg.hidden), w["o"])
+            up = torch.nn.functional.gelu(torch.nn.functional.rms_norm(x, hidden, eps=1e-6) @ w["up"])
+            x = torch.addmm(x, up, w["down"])
+        return torch.nn.functional.rms_norm(x[last_index], hidden, eps=1e-6) @ self.lm_head
 
 
 class SleepModel:

@@ -47,7 +47,11 @@ FIELD_ALIGN = 16
 
 
 def _check_dtype(instance: Any, attribute: Any, value: Any) -> None:
-    if value not in NUMPY_DTYPE:
+    try:
+        known = value in NUMPY_DTYPE
+    except TypeError:  # unhashable: certainly no dtype
+        known = False
+    if not known:
         raise SettingsError(f"'dtype' of a static field must be one of {sorted(map(str, NUMPY_DTYPE))} (got {value!r})")
 
 
@@ -97,7 +101,10 @@ class StaticInputs:
         alloc_stream = transport.resolve_stream(None)
         #: The one device allocation every layout lives in (uint8, device memory).
         self.device_block = transport.alloc_device(_nbytes(fields, max_rows), alloc_stream)
-        self._alloc_stream: Stream | None = alloc_stream  # None once the first copy waited for it
+        # The stream of the block's last writer: its allocation, then each stage's copy. A
+        # copy on another stream, or a newly registered reader, first waits for it.
+        self._writer: Stream = alloc_stream
+        self._writer_fence = transport.new_fence()
         self._readers: list[Stream] = []
         self._read_fences: list[Fence] = []
         self._landed = transport.new_fence()
@@ -129,9 +136,15 @@ class StaticInputs:
     # -- streams -----------------------------------------------------------------------
     def register_reader(self, stream: Stream) -> None:
         """Declare a stream (a graph replay's) that reads the block; see the module's stream rules."""
-        stream = self._transport.resolve_stream(stream)
-        if any(self._transport.same_stream(r, stream) for r in self._readers):
+        transport = self._transport
+        stream = transport.resolve_stream(stream)
+        if any(transport.same_stream(r, stream) for r in self._readers):
             return
+        if not transport.same_stream(self._writer, stream):
+            # What the block holds now may still be landing on the writer's stream: the new
+            # reader's next work waits for it, as it will for every later copy.
+            self._writer_fence.record(self._writer)
+            transport.stream_wait(stream, self._writer_fence)
         self._readers.append(stream)
         self._read_fences.append(self._transport.new_fence())
         self._note_stream(stream)
@@ -195,14 +208,13 @@ class StaticInputs:
             if not transport.same_stream(reader, stream):
                 fence.record(reader)
                 transport.stream_wait(stream, fence)
-        alloc = self._alloc_stream
-        if alloc is not None:
-            # The first copy: the allocation stream is the block's first previous user.
-            self._alloc_stream = None
-            if not transport.same_stream(alloc, stream):
-                fence = transport.new_fence()
-                fence.record(alloc)
-                transport.stream_wait(stream, fence)
+        writer = self._writer
+        if writer is not stream and not transport.same_stream(writer, stream):
+            # A change of stream (rule 2): the previous copy (or the allocation) may still be
+            # queued there; this copy must land after it, or the block ends on older values.
+            self._writer_fence.record(writer)
+            transport.stream_wait(stream, self._writer_fence)
+        self._writer = stream
         st.close(ok=True)  # the one copy, on the stage's stream, then the slot's fence
         waiting = [r for r in self._readers if not transport.same_stream(r, stream)]
         if waiting:
@@ -259,7 +271,10 @@ class StaticStage:
             src, target, shape = as_source(values, dtype, name)
             if shape != (self.live,):
                 raise StagingValueError(f"'{name}' must hold live={self.live} values (got shape {shape})")
-            write(self.host_views[i][: self.live], src, target, name)
+            # Converted aside first: a value refused halfway must not leave the field half-overwritten.
+            converted = np.empty(self.live, NUMPY_DTYPE[dtype])
+            write(converted, src, target, name)
+            self.host_views[i][: self.live] = converted
         self._written |= 1 << i
 
     def __enter__(self) -> StaticStage:
@@ -274,7 +289,8 @@ class StaticStage:
         """Pad, then the one copy (``ok``); or abort, leaving the block as it was."""
         if not self.stage.is_open:
             return
-        missing = [f.name for i, f in enumerate(self._block.fields) if not self._written >> i & 1]
+        # With no live row every value is padding, which close writes itself.
+        missing = [f.name for i, f in enumerate(self._block.fields) if self.live and not self._written >> i & 1]
         if ok and missing:
             self._block.finish(self, ok=False)
             raise PoolStateError(

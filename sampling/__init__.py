@@ -8,11 +8,13 @@ from sampling.logit_bias import SparseLogitBias
 from sampling.params import DEFAULT_SEED, GREEDY_EPS, RECORD_DTYPE, TOP_K_ALL, SamplingParams
 from sampling.sampler import Sampler, SamplingTensors
 from sampling.sglang_params import ForeignParamsCache, pack_foreign
+from sampling.static import SAMPLING_FIELDS, StaticSamplingInfo, sampling_columns
 
 __all__ = [
     "DEFAULT_SEED",
     "GREEDY_EPS",
     "RECORD_DTYPE",
+    "SAMPLING_FIELDS",
     "TOP_K_ALL",
     "BatchMismatchError",
     "ForeignParamsCache",
@@ -24,6 +26,7 @@ __all__ = [
     "SamplingTensors",
     "ScheduleBatchLike",
     "SparseLogitBias",
+    "StaticSamplingInfo",
     "apply_logit_bias_reference",
     "draw_reference",
     "filter_sorted_probs",
@@ -32,4 +35,5 @@ __all__ = [
     "launch_draw_sorted",
     "mask_sorted_probs",
     "pack_foreign",
+    "sampling_columns",
 ]
