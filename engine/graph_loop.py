@@ -43,6 +43,7 @@ from engine.readback import Pending, TokenReader
 from engine.requests import Request
 from memcache import AllocationError
 from memcache.host_kv_allocator import HostKVAllocator
+from pinpool.transport import use_stream
 from sampling import SamplingBatchInfo
 from sampling.params import RECORD_DTYPE
 from sampling.static import sampling_columns
@@ -167,9 +168,13 @@ class GraphEngine(Engine):
         self.replays = 0
 
     # -- hooks of Engine -------------------------------------------------------------------
-    def _prefill(self, reqs: list[Request]) -> Pending:
-        with self._on_forward():
-            return super()._prefill(reqs)
+    def step(self) -> str:
+        # The whole iteration runs with the forward stream current: prefill, the decode
+        # step's device work, its read-back and the frees all queue there, so one switch
+        # per iteration serves them (``use_stream``: a few µs, where torch.cuda.stream
+        # costs about 30 µs of host time).
+        with use_stream(self.forward_stream):
+            return super().step()
 
     def _alloc_extend(
         self, reqs: list[Request], prefix_lens: list[int], extend: list[int]
@@ -215,10 +220,9 @@ class GraphEngine(Engine):
             r.accept(token)
         if not any(r.done for r in self.running):
             return
-        with self._on_forward():  # the device free list is a forward-stream tensor
-            for r in self.running:
-                if r.done:
-                    self._free(r)
+        for r in self.running:
+            if r.done:
+                self._free(r)
         self.running = [r for r in self.running if not r.done]
         self._batch = None
 
@@ -236,23 +240,22 @@ class GraphEngine(Engine):
                 self._stage_sglang(reqs, bs, rows)
         for r in reqs:
             r.seq_len += 1
-        with self._on_forward():
-            if self._lag is not None:
-                torch.cuda._sleep(self._lag.randrange(self.graph_cfg.lag_cycles))
-            if self.record_gpu:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            with self.phases("replay"):
-                self.graphs.replay(rows)
-            self.replays += 1
-            if self.record_gpu:
-                end.record()
-                self.times.gpu_events.append((start, end))
-            with self.staging("decode.readback"), self.phases("readback"):
-                out = self.graphs.out_tokens[:bs]
-                if mode == "pool":
-                    return self.reader.wrap(self.pool.readback(out))
-                return self.reader.start(out)
+        if self._lag is not None:
+            torch.cuda._sleep(self._lag.randrange(self.graph_cfg.lag_cycles))
+        if self.record_gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        with self.phases("replay"):
+            self.graphs.replay(rows)
+        self.replays += 1
+        if self.record_gpu:
+            end.record()
+            self.times.gpu_events.append((start, end))
+        with self.staging("decode.readback"), self.phases("readback"):
+            out = self.graphs.out_tokens[:bs]
+            if mode == "pool":
+                return self.reader.wrap(self.pool.readback(out))
+            return self.reader.start(out)
 
     def _stage_pool(self, reqs: list[Request], bs: int, rows: int) -> None:
         batch = self._batch
@@ -273,23 +276,21 @@ class GraphEngine(Engine):
         positions += 1
 
     def _stage_pinned(self, reqs: list[Request], bs: int, rows: int) -> None:
-        with self._on_forward():
-            fresh = self._batch is None
-            if fresh:
-                self._batch = _DeviceBatch(self, reqs)  # for its sampling tensors
-            rows_d, positions_d = self.uploader.upload(
-                "step", [([r.row for r in reqs], torch.int64), ([r.seq_len for r in reqs], torch.int64)]
-            )
-            self._write_inputs(rows, bs, rows_d, positions_d, self.kv.alloc(bs), fresh)
+        fresh = self._batch is None
+        if fresh:
+            self._batch = _DeviceBatch(self, reqs)  # for its sampling tensors
+        rows_d, positions_d = self.uploader.upload(
+            "step", [([r.row for r in reqs], torch.int64), ([r.seq_len for r in reqs], torch.int64)]
+        )
+        self._write_inputs(rows, bs, rows_d, positions_d, self.kv.alloc(bs), fresh)
 
     def _stage_sglang(self, reqs: list[Request], bs: int, rows: int) -> None:
-        with self._on_forward():
-            fresh = self._batch is None
-            if fresh:
-                self._batch = _DeviceBatch(self, reqs)
-            batch = self._batch
-            self._write_inputs(rows, bs, batch.rows, batch.positions, self.kv.alloc(bs), fresh)
-            batch.positions += 1  # the next step's positions, on the device
+        fresh = self._batch is None
+        if fresh:
+            self._batch = _DeviceBatch(self, reqs)
+        batch = self._batch
+        self._write_inputs(rows, bs, batch.rows, batch.positions, self.kv.alloc(bs), fresh)
+        batch.positions += 1  # the next step's positions, on the device
 
     def _write_inputs(
         self, rows: int, bs: int, rows_d: torch.Tensor, positions_d: torch.Tensor, slots_d: torch.Tensor, fresh: bool
@@ -311,19 +312,3 @@ class GraphEngine(Engine):
             if bs < rows:
                 for f in self.graphs.block.fields:
                     views[f.name][bs:].fill_(f.pad)
-
-    def _on_forward(self) -> Any:
-        """``with``: make the forward stream current (nothing on the host path)."""
-        stream = self.forward_stream
-        return _NULL if stream is None else torch.cuda.stream(stream)
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NULL = _Null()

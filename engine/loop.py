@@ -114,8 +114,7 @@ class Engine:
         """Host seconds spent waiting for the GPU inside staging (ring stalls, blocked reads)."""
         # Blocked token reads are timed once, by the reader, in every mode: the pool's own
         # readback_wait_seconds would count the same wait twice.
-        stats = self.pool.stats()
-        return stats.stall_seconds + self.uploader.wait_seconds + self.reader.wait_seconds
+        return self.pool.stall_seconds + self.uploader.wait_seconds + self.reader.wait_seconds
 
     @property
     def busy(self) -> bool:

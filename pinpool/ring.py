@@ -216,6 +216,11 @@ class PinnedRingBuffer:
         self._consumers.append((stream, fences))
         _log.info("consumer.registered", device=str(self.device), consumers=len(self._consumers))
 
+    @property
+    def stall_seconds(self) -> float:
+        """Host seconds spent waiting on slot fences so far (``stats().stall_seconds``, without building a snapshot)."""
+        return self._counters.stall_seconds
+
     def stats(self) -> PoolStats:
         return PoolStats.of(self._counters, self.platform)
 

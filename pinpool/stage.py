@@ -186,6 +186,23 @@ class Stage:
         self._commit_claim(numel, target)
         return host, device
 
+    def reserve_host(self, nbytes: int, *, name: str = "values") -> np.ndarray[Any, Any]:
+        """Claim ``nbytes`` bytes and return only their pinned host view (uint8).
+
+        For a caller that knows where the bytes land on the device itself (an owned stage
+        whose buffer it laid out, as ``StaticInputs`` does): no device view is built.
+        Same rules as ``reserve``: never spills, valid until the copy is issued.
+        """
+        self._check_open()
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise StagingValueError(f"'{name}' nbytes must be an int >= 0 (got {nbytes!r})")
+        start = self._cursor
+        if start + nbytes > self._capacity:
+            raise CapacityError(self._capacity_message(nbytes, name))
+        host: np.ndarray[Any, Any] = self._layout.host[torch.uint8][start : start + nbytes]
+        self._commit_claim(nbytes, torch.uint8)
+        return host
+
     def retain(self, *objs: Any) -> None:
         """Keep ``objs`` alive until this slot's fence has passed (rule 5).
 

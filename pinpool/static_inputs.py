@@ -166,7 +166,7 @@ class StaticInputs:
             raise PoolStateError("a StaticInputs stage is already open: close it before opening the next")
         st = self.pool.stage(stream=stream, owned=self.device_block)
         try:
-            host_raw, _ = st.reserve(self.nbytes(rows), torch.uint8, name="static inputs")
+            host_raw = st.reserve_host(self.nbytes(rows), name="static inputs")
         except BaseException:
             st.close(ok=False)
             raise

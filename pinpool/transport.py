@@ -145,6 +145,53 @@ _event_base: Any = getattr(torch._C, "_CudaEventBase", None)
 _record = getattr(_event_base, "record", _no_cuda)
 _query = getattr(_event_base, "query", _no_cuda)
 _synchronize = getattr(_event_base, "synchronize", _no_cuda)
+# Setting a device's current stream (it also makes that device current), and the current
+# device. ``torch.cuda.stream(...)`` does the same through several Python-level device
+# lookups: about 30 µs per use measured on an H200 host (2026-11-30), per step.
+_set_stream = getattr(torch._C, "_cuda_setStream", None)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+_set_device = getattr(torch._C, "_cuda_setDevice", None)
+
+
+class use_stream:
+    """``with use_stream(s):`` makes CUDA stream ``s`` current on its device, then restores both.
+
+    Restores the previous current stream of ``s``'s device and the previous current
+    device, as ``torch.cuda.stream`` does, at a fraction of its host cost. A no-op for
+    ``None`` (the host path); a torch without the raw bindings gets ``torch.cuda.stream``.
+    """
+
+    __slots__ = ("_device", "_fallback", "_previous", "_stream")
+
+    def __init__(self, stream: Stream) -> None:
+        self._stream = stream
+        self._previous: tuple[int, int, int] | None = None
+        self._fallback: Any = None
+        self._device = -1
+
+    def __enter__(self) -> None:
+        stream = self._stream
+        if stream is None:
+            return
+        if _set_stream is None or _get_device is None or _set_device is None:
+            self._fallback = torch.cuda.stream(stream)
+            self._fallback.__enter__()
+            return
+        self._device = _get_device()
+        self._previous = _current_stream_of(stream.device_index)
+        _set_stream(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fallback is not None:
+            fallback, self._fallback = self._fallback, None
+            fallback.__exit__(*exc)
+            return
+        previous, self._previous = self._previous, None
+        if previous is None or _set_stream is None or _set_device is None:
+            return
+        _set_stream(stream_id=previous[0], device_index=previous[1], device_type=previous[2])
+        if self._device != previous[1]:
+            _set_device(self._device)
 
 
 class _CudaFence(torch.cuda.Event):
@@ -235,14 +282,14 @@ class CudaTransport:
         if _current_stream_of(self.index)[0] == stream.stream_id:
             dst.copy_(src, non_blocking=True)
             return
-        with torch.cuda.stream(stream):
+        with use_stream(stream):
             dst.copy_(src, non_blocking=True)
 
     def stream_wait(self, waiter: Stream, fence: Fence) -> None:
         waiter.wait_event(fence)
 
     def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream) -> None:
-        with torch.cuda.stream(stream):
+        with use_stream(stream):
             dst_device.fill_(byte)
 
     def check_zero_copy(self, host_slab: torch.Tensor) -> tuple[PlatformReport, torch.Tensor | None]:
