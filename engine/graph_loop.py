@@ -43,6 +43,7 @@ from engine.readback import Pending, TokenReader
 from engine.requests import Request
 from memcache import AllocationError
 from memcache.host_kv_allocator import HostKVAllocator
+from pinpool import StaticInputs
 from pinpool.transport import use_stream
 from sampling import SamplingBatchInfo
 from sampling.params import RECORD_DTYPE
@@ -73,13 +74,22 @@ class GraphConfig:
 
 
 class _HostBatch:
-    """The running batch as the pool mode's scheduler holds it: numpy columns, built on change."""
+    """The running batch as the pool mode's scheduler holds it: the block's host image, built on change.
 
-    def __init__(self, reqs: list[Request]) -> None:
-        self.rows = np.fromiter((r.row for r in reqs), np.int64, len(reqs))
-        self.positions = np.fromiter((r.seq_len for r in reqs), np.int64, len(reqs))
+    The image (``StaticInputs.host_image``) holds every field of the layout, padding
+    included; a step updates positions and KV slots in it and lands it with one memcpy.
+    """
+
+    def __init__(self, reqs: list[Request], block: StaticInputs, rows: int) -> None:
+        bs = len(reqs)
+        self.image = block.host_image(rows, bs)
+        views = self.image.views
+        views["rows"][:] = np.fromiter((r.row for r in reqs), np.int64, bs)
+        views["positions"][:] = np.fromiter((r.seq_len for r in reqs), np.int64, bs)
         records = np.frombuffer(b"".join([r.sampling_params.record for r in reqs]), RECORD_DTYPE)
-        self.sampling = sampling_columns(records)
+        for name, values in sampling_columns(records).items():
+            views[name][:] = values
+        self.rows, self.positions, self.slots = views["rows"], views["positions"], views["out_cache_loc"]
 
 
 class _DeviceBatch:
@@ -258,22 +268,20 @@ class GraphEngine(Engine):
             return self.reader.start(out)
 
     def _stage_pool(self, reqs: list[Request], bs: int, rows: int) -> None:
+        block = self.graphs.block
         batch = self._batch
         if batch is None:
-            batch = self._batch = _HostBatch(reqs)
+            batch = self._batch = _HostBatch(reqs, block, rows)
         slots = self.kv.alloc(bs)
         positions = batch.positions
-        with self.graphs.block.stage(rows, bs, stream=self.upload_stream) as st:
-            st.put("rows", batch.rows)
-            st.put("positions", positions)
-            st.put("out_cache_loc", slots)
-            for name, values in batch.sampling.items():
-                st.put(name, values)
+        batch.slots[:] = slots
+        with block.stage(rows, bs, stream=self.upload_stream) as st:
+            st.put_image(batch.image)  # every field, padding included: one memcpy
             if self.graphs.check_steps:
                 st.put("step", np.full(bs, self.replays + 1, dtype=np.int64))
                 self.expected_positions.append(int(positions[0]))
         self.slot_of[batch.rows, positions] = slots
-        positions += 1
+        positions += 1  # in the image: the next step's positions
 
     def _stage_pinned(self, reqs: list[Request], bs: int, rows: int) -> None:
         fresh = self._batch is None

@@ -24,7 +24,7 @@ from pinpool.readback import Readback
 from pinpool.ring import PinnedRingBuffer
 from pinpool.settings import OverflowPolicy, PoolSettings
 from pinpool.stage import Stage
-from pinpool.static_inputs import StaticField, StaticInputs, StaticStage
+from pinpool.static_inputs import HostImage, StaticField, StaticInputs, StaticStage
 from pinpool.stats import PoolStats
 from pinpool.sync_guard import no_sync
 from pinpool.transport import is_pin_memory_available
@@ -33,6 +33,7 @@ from pinpool.zero_copy import ZeroCopyStage
 __all__ = [
     "CapacityError",
     "DeviceMismatchError",
+    "HostImage",
     "HostSyncError",
     "OverflowPolicy",
     "PinnedRingBuffer",

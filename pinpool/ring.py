@@ -100,6 +100,9 @@ class PinnedRingBuffer:
         self._copy_ranges: list[BoundedCache[int, tuple[torch.Tensor, torch.Tensor]]] = [
             BoundedCache() for _ in range(num_slots)
         ]
+        self._owned_ranges: list[BoundedCache[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [
+            BoundedCache() for _ in range(num_slots)
+        ]
         self._readback_views: list[BoundedCache[tuple[Any, ...], tuple[torch.Tensor, Any, int]]] = [
             BoundedCache() for _ in range(num_slots)
         ]
@@ -184,6 +187,7 @@ class PinnedRingBuffer:
         owned_device = None if owned_bytes is None and owned is None else self._owned_buffer(owned_bytes, owned, stream)
         slot = self._claim(stream, writes_mirror=owned_device is None)
         st = Stage(self, self._layouts[slot], slot, self._generation, stream, owned_device)
+        st.owned_reused = owned is not None
         self._open = st
         return st
 
@@ -275,8 +279,19 @@ class PinnedRingBuffer:
         if nbytes == 0:
             return
         layout = self._layouts[st.slot]
-        if st.owned_device is not None:
-            dst, src = st.owned_device[:nbytes], layout.host_raw[:nbytes]
+        owned = st.owned_device
+        if owned is not None and not st.owned_reused:
+            dst, src = owned[:nbytes], layout.host_raw[:nbytes]
+        elif owned is not None:
+            # A caller's buffer restaged every step (StaticInputs) repeats (slot, buffer,
+            # size): its two slices are cached like the ring's own, keyed by the buffer's
+            # identity and kept with it, so a recycled id can never match. (A buffer the
+            # pool allocated per stage, owned_bytes=, is new each time: never cached.)
+            key = (id(owned), nbytes)
+            hit = self._owned_ranges[st.slot].get(key)
+            if hit is None or hit[0] is not owned:
+                hit = self._owned_ranges[st.slot].put(key, (owned, owned[:nbytes], layout.host_raw[:nbytes]))
+            _, dst, src = hit
         else:
             ranges = self._copy_ranges[st.slot]
             pair = ranges.get(nbytes)

@@ -60,6 +60,7 @@ class Stage:
         "flushed",
         "generation",
         "owned_device",
+        "owned_reused",
         "read_back",
         "slot",
         "spilled",
@@ -83,6 +84,8 @@ class Stage:
         self.stream = stream
         #: Consumer-owned device memory the copy lands in instead of the ring (rule 4).
         self.owned_device = owned_device
+        #: True when the caller passed that memory (``owned=``) and may pass it again.
+        self.owned_reused = False
         self._capacity = (
             pool.settings.slot_bytes if owned_device is None else min(pool.settings.slot_bytes, owned_device.numel())
         )

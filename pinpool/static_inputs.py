@@ -92,7 +92,10 @@ class StaticInputs:
         self.fields = fields
         self.max_rows = max_rows
         self._index = {f.name: i for i, f in enumerate(fields)}
-        self._pads = [_pad_array(f) for f in fields]
+        #: The bit mask of a stage that wrote every field.
+        self.all_written = (1 << len(fields)) - 1
+        #: Each field's pad as a numpy scalar of its dtype.
+        self.pads = [_pad_array(f) for f in fields]
         transport = pool.transport
         self._transport = transport
         # The block comes from the caching allocator on the pool device's current stream,
@@ -132,6 +135,13 @@ class StaticInputs:
                 for f, off in zip(self.fields, self.offsets(rows), strict=True)
             }
         return views
+
+    def host_image(self, rows: int, live: int) -> HostImage:
+        """A plain host copy of the layout for (``rows``, ``live``), padding already written."""
+        self._check_rows(rows)
+        if isinstance(live, bool) or not isinstance(live, int) or not 0 <= live <= rows:
+            raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
+        return HostImage(self, rows, live)
 
     # -- streams -----------------------------------------------------------------------
     def register_reader(self, stream: Stream) -> None:
@@ -180,7 +190,7 @@ class StaticInputs:
                     for f, off in zip(self.fields, self.offsets(rows), strict=True)
                 ],
             )
-        opened = self._open = StaticStage(self, st, host, rows, live)
+        opened = self._open = StaticStage(self, st, host, host_raw, rows, live)
         self._note_stream(st.stream)
         return opened
 
@@ -199,8 +209,8 @@ class StaticInputs:
             st.close(ok=False)  # nothing copied: the block keeps the previous step's values
             return
         live, rows = sst.live, sst.rows
-        if live < rows:
-            for view, pad in zip(sst.host_views, self._pads, strict=True):
+        if live < rows and not sst.padded:
+            for view, pad in zip(sst.host_views, self.pads, strict=True):
                 view[live:] = pad
         transport, stream = self._transport, st.stream
         # Before the copy overwrites the block: the previous readers' work must be done.
@@ -241,15 +251,44 @@ class StaticInputs:
 class StaticStage:
     """This step's values for a ``StaticInputs`` block: every field must be written before close."""
 
-    __slots__ = ("_block", "_written", "host_views", "live", "rows", "stage")
+    __slots__ = ("_block", "_host_raw", "_written", "host_views", "live", "padded", "rows", "stage")
 
-    def __init__(self, block: StaticInputs, stage: Stage, host_views: list[np.ndarray[Any, Any]], rows: int, live: int):
+    def __init__(
+        self,
+        block: StaticInputs,
+        stage: Stage,
+        host_views: list[np.ndarray[Any, Any]],
+        host_raw: np.ndarray[Any, Any],
+        rows: int,
+        live: int,
+    ) -> None:
         self._block = block
         self.stage = stage
         self.host_views = host_views
+        self._host_raw = host_raw  # the whole layout's pinned bytes
         self.rows = rows
         self.live = live
         self._written = 0  # bit i: field i was written this step
+        #: True once the padding rows hold their pads (``put_image``): close skips writing them.
+        self.padded = False
+
+    def put_image(self, image: HostImage) -> None:
+        """Write every field, padding included, from ``image`` in one memcpy.
+
+        ``image`` (``block.host_image(rows, live)``) is a caller's host copy of the layout
+        for this stage's ``rows`` and ``live``; later ``put`` calls may still overwrite a
+        field's live rows. For a scheduler whose batch changes rarely: build the image when
+        it changes, update the per-step fields in it (or put them after), one memcpy a step.
+        """
+        if image.block is not self._block or image.rows != self.rows or image.live != self.live:
+            raise StagingValueError(
+                f"'image' must be this block's image for rows={self.rows}, live={self.live} "
+                f"(got rows={image.rows}, live={image.live}"
+                f"{'' if image.block is self._block else ', of another block'})"
+            )
+        self._host_raw[:] = image.data
+        self._written = self._block.all_written
+        self.padded = True
 
     @property
     def stream(self) -> Stream:
@@ -289,15 +328,35 @@ class StaticStage:
         """Pad, then the one copy (``ok``); or abort, leaving the block as it was."""
         if not self.stage.is_open:
             return
+        block = self._block
         # With no live row every value is padding, which close writes itself.
-        missing = [f.name for i, f in enumerate(self._block.fields) if self.live and not self._written >> i & 1]
-        if ok and missing:
+        if ok and self.live and self._written != block.all_written:
+            missing = [f.name for i, f in enumerate(block.fields) if not self._written >> i & 1]
             self._block.finish(self, ok=False)
             raise PoolStateError(
                 f"every static field must be written each step (missing: {missing}); the slot still holds an "
                 "older step's values there, so the stage was aborted and nothing was copied"
             )
         self._block.finish(self, ok)
+
+
+class HostImage:
+    """A host copy (plain memory) of one step's layout, for ``StaticStage.put_image``.
+
+    ``views[name]``: that field's ``live`` rows, to fill; its padding rows already hold
+    the field's pad. Built by ``StaticInputs.host_image(rows, live)``.
+    """
+
+    __slots__ = ("block", "data", "live", "rows", "views")
+
+    def __init__(self, block: StaticInputs, rows: int, live: int) -> None:
+        self.block, self.rows, self.live = block, rows, live
+        self.data = np.zeros(block.nbytes(rows), np.uint8)
+        self.views: dict[str, np.ndarray[Any, Any]] = {}
+        for f, off, pad in zip(block.fields, block.offsets(rows), block.pads, strict=True):
+            column = self.data[off : off + rows * _itemsize(f.dtype)].view(NUMPY_DTYPE[f.dtype])
+            column[live:] = pad
+            self.views[f.name] = column[:live]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
