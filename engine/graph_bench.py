@@ -25,6 +25,7 @@ rounds that interleave the modes. Token streams are compared across all modes.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 import warnings
@@ -41,9 +42,19 @@ from pinpool.bench.kit import BenchContext, Spread, Table, ratio
 
 WARM_STEPS = 4
 CONFIGS = {
-    "host-bound": ModelConfig(max_context_len=160),
+    # A draft-sized model: one layer, a 2k vocabulary. Its replayed step (model and
+    # sampler) is the shortest the graph gets, so the host's per-step work decides.
+    "host-bound": ModelConfig(hidden=128, layers=1, heads=2, ffn=256, vocab_size=2048, max_context_len=160),
+    # The reference loop's tiny model (2 layers, hidden 256, 32k vocabulary).
+    "tiny": ModelConfig(max_context_len=160),
     "GPU-bound": ModelConfig(hidden=1024, layers=16, heads=16, ffn=4096, max_context_len=160),
 }
+#: (config, running sizes, eager modes too): what a CUDA run measures.
+PLAN: tuple[tuple[str, tuple[int, ...], bool], ...] = (
+    ("host-bound", (1, 16, 64), False),
+    ("tiny", (1, 16, 64), True),
+    ("GPU-bound", (16, 64), False),
+)
 #: (label, graph mode or None for the eager loop, eager mode)
 MODES: tuple[tuple[str, GraphMode | None, str], ...] = (
     ("pinned+graph", "pinned", "pinned"),
@@ -186,14 +197,17 @@ def _spread(results: list[dict[str, Any]], key: str) -> Spread | None:
 def workload(ctx: BenchContext) -> list[Table]:
     cuda = ctx.is_cuda
     steps = ctx.steps or (48 if cuda else 10)
-    labels = [m[0] for m in MODES]
     rounds = max(1, min(ctx.repeats, 3))
-    plan = [("host-bound", (1, 16, 64)), ("GPU-bound", (16, 64))] if cuda else [("host-bound", (4,))]
+    plan = list(PLAN) if cuda else [("tiny", (4,), True)]
+    only = os.environ.get("PINPOOL_GRAPH_CONFIGS")
+    if only:
+        plan = [p for p in plan if p[0] in only.split(",")]
     if ctx.running is not None:
-        plan = [(name, ctx.running) for name, _ in plan]
+        plan = [(name, ctx.running, eager) for name, _, eager in plan]
     tables = []
-    for config, sizes in plan:
+    for config, sizes, eager in plan:
         model_cfg = CONFIGS[config]
+        labels = [m[0] for m in MODES if eager or m[1] is not None]
         ctx.progress(f"graph decode {config}: warm-up (compiles and captures outside the timings)")
         for label in labels:
             measure(ctx, label, model_cfg, min(sizes), 6)

@@ -43,7 +43,7 @@ from engine.readback import Pending, TokenReader
 from engine.requests import Request
 from memcache import AllocationError
 from memcache.host_kv_allocator import HostKVAllocator
-from pinpool import StaticInputs
+from pinpool import StaticInputs, StaticStage
 from pinpool.transport import use_stream
 from sampling import SamplingBatchInfo
 from sampling.params import RECORD_DTYPE
@@ -241,33 +241,49 @@ class GraphEngine(Engine):
         reqs, bs = self.running, len(self.running)
         rows = self.graphs.padded(bs)
         mode = self.graph_mode
+        exchange: StaticStage | None = None
         with self.staging("decode.stage"), self.phases("stage"):
             if mode == "pool":
-                self._stage_pool(reqs, bs, rows)
+                exchange = self._stage_pool(reqs, bs, rows)
             elif mode == "pinned":
                 self._stage_pinned(reqs, bs, rows)
             else:
                 self._stage_sglang(reqs, bs, rows)
-        for r in reqs:
-            r.seq_len += 1
-        if self._lag is not None:
-            torch.cuda._sleep(self._lag.randrange(self.graph_cfg.lag_cycles))
-        if self.record_gpu:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        with self.phases("replay"):
-            self.graphs.replay(rows)
-        self.replays += 1
-        if self.record_gpu:
-            end.record()
-            self.times.gpu_events.append((start, end))
-        with self.staging("decode.readback"), self.phases("readback"):
-            out = self.graphs.out_tokens[:bs]
-            if mode == "pool":
-                return self.reader.wrap(self.pool.readback(out))
-            return self.reader.start(out)
+        ok = False
+        # The pool's exchange stays open across the replay: the tokens come back into the
+        # same slot under the same fence (StaticStage.readback). A failure closes it still.
+        try:
+            for r in reqs:
+                r.seq_len += 1
+            if self._lag is not None:
+                torch.cuda._sleep(self._lag.randrange(self.graph_cfg.lag_cycles))
+            if self.record_gpu:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            with self.phases("replay"):
+                self.graphs.replay(rows)
+            self.replays += 1
+            if self.record_gpu:
+                end.record()
+                self.times.gpu_events.append((start, end))
+            with self.staging("decode.readback"), self.phases("readback"):
+                out = self.graphs.out_tokens[:bs]
+                if exchange is not None and exchange.stream is self.forward_stream:
+                    pending = self.reader.wrap(exchange.readback(out))
+                elif mode == "pool":
+                    # The block was copied on the scheduler's stream: read back on the
+                    # forward stream, which the replay ran on.
+                    pending = self.reader.wrap(self.pool.readback(out))
+                else:
+                    pending = self.reader.start(out)
+            ok = True
+            return pending
+        finally:
+            if exchange is not None:
+                exchange.close(ok=ok)
 
-    def _stage_pool(self, reqs: list[Request], bs: int, rows: int) -> None:
+    def _stage_pool(self, reqs: list[Request], bs: int, rows: int) -> StaticStage:
+        """Open this step's exchange and issue its one copy; the caller replays, reads back and closes."""
         block = self.graphs.block
         batch = self._batch
         if batch is None:
@@ -275,13 +291,19 @@ class GraphEngine(Engine):
         slots = self.kv.alloc(bs)
         positions = batch.positions
         batch.slots[:] = slots
-        with block.stage(rows, bs, stream=self.upload_stream) as st:
+        st = block.stage(rows, bs, stream=self.upload_stream)
+        try:
             st.put_image(batch.image)  # every field, padding included: one memcpy
             if self.graphs.check_steps:
                 st.put("step", np.full(bs, self.replays + 1, dtype=np.int64))
                 self.expected_positions.append(int(positions[0]))
+            st.flush()
+        except BaseException:
+            st.close(ok=False)
+            raise
         self.slot_of[batch.rows, positions] = slots
         positions += 1  # in the image: the next step's positions
+        return st
 
     def _stage_pinned(self, reqs: list[Request], bs: int, rows: int) -> None:
         fresh = self._batch is None

@@ -37,6 +37,7 @@ import torch
 
 from pinpool.encode import NUMPY_DTYPE, as_source, write
 from pinpool.exceptions import PoolStateError, SettingsError, StagingTypeError, StagingValueError
+from pinpool.readback import Readback
 from pinpool.ring import PinnedRingBuffer
 from pinpool.slots import BoundedCache
 from pinpool.stage import Stage
@@ -92,6 +93,7 @@ class StaticInputs:
         self.fields = fields
         self.max_rows = max_rows
         self._index = {f.name: i for i, f in enumerate(fields)}
+        self._nbytes: dict[int, int] = {}
         #: The bit mask of a stage that wrote every field.
         self.all_written = (1 << len(fields)) - 1
         #: Each field's pad as a numpy scalar of its dtype.
@@ -123,7 +125,10 @@ class StaticInputs:
 
     def nbytes(self, rows: int) -> int:
         """Bytes one step copies for ``rows`` padded rows."""
-        return _nbytes(self.fields, rows)
+        cached = self._nbytes.get(rows)
+        if cached is None:
+            cached = self._nbytes[rows] = _nbytes(self.fields, rows)
+        return cached
 
     def views(self, rows: int) -> Mapping[str, torch.Tensor]:
         """name -> device view of ``rows`` elements: fixed addresses, for a graph to capture."""
@@ -203,11 +208,20 @@ class StaticInputs:
         return index
 
     def finish(self, sst: StaticStage, ok: bool) -> None:
+        """Close ``sst``: its copy unless issued already (``flush``) or aborted, then the slot's fence."""
         self._open = None
         st = sst.stage
-        if not ok:
-            st.close(ok=False)  # nothing copied: the block keeps the previous step's values
-            return
+        if not sst.flushed:
+            if not ok:
+                st.close(ok=False)  # nothing copied: the block keeps the previous step's values
+                return
+            self.issue(sst)
+        # The slot's fence, on the stage's stream, after the copy (and any read-back).
+        st.close(ok=ok)
+
+    def issue(self, sst: StaticStage) -> None:
+        """Pad, order the copy after the block's previous readers and writer, copy, order readers after it."""
+        st = sst.stage
         live, rows = sst.live, sst.rows
         if live < rows and not sst.padded:
             for view, pad in zip(sst.host_views, self.pads, strict=True):
@@ -225,7 +239,8 @@ class StaticInputs:
             self._writer_fence.record(writer)
             transport.stream_wait(stream, self._writer_fence)
         self._writer = stream
-        st.close(ok=True)  # the one copy, on the stage's stream, then the slot's fence
+        st.flush()  # the one copy, on the stage's stream
+        sst.flushed = True
         waiting = [r for r in self._readers if not transport.same_stream(r, stream)]
         if waiting:
             self._landed.record(stream)
@@ -251,7 +266,7 @@ class StaticInputs:
 class StaticStage:
     """This step's values for a ``StaticInputs`` block: every field must be written before close."""
 
-    __slots__ = ("_block", "_host_raw", "_written", "host_views", "live", "padded", "rows", "stage")
+    __slots__ = ("_block", "_host_raw", "_written", "flushed", "host_views", "live", "padded", "rows", "stage")
 
     def __init__(
         self,
@@ -271,6 +286,8 @@ class StaticStage:
         self._written = 0  # bit i: field i was written this step
         #: True once the padding rows hold their pads (``put_image``): close skips writing them.
         self.padded = False
+        #: True once the copy is issued (``flush``/``readback``): nothing more can be written.
+        self.flushed = False
 
     def put_image(self, image: HostImage) -> None:
         """Write every field, padding included, from ``image`` in one memcpy.
@@ -280,6 +297,8 @@ class StaticStage:
         field's live rows. For a scheduler whose batch changes rarely: build the image when
         it changes, update the per-step fields in it (or put them after), one memcpy a step.
         """
+        if self.flushed:
+            raise PoolStateError("this static stage was flushed: its copy is issued, so nothing more can be written")
         if image.block is not self._block or image.rows != self.rows or image.live != self.live:
             raise StagingValueError(
                 f"'image' must be this block's image for rows={self.rows}, live={self.live} "
@@ -296,12 +315,16 @@ class StaticStage:
 
     def host(self, name: str) -> np.ndarray[Any, Any]:
         """The pinned host view of ``name``'s live rows, to fill in place before close."""
+        if self.flushed:
+            raise PoolStateError("this static stage was flushed: its copy is issued, so nothing more can be written")
         i = self._block.field_index(name)
         self._written |= 1 << i
         return self.host_views[i][: self.live]
 
     def put(self, name: str, values: Any) -> None:
         """Write ``live`` values of field ``name`` (list, numpy array or CPU tensor), converted exactly."""
+        if self.flushed:
+            raise PoolStateError("this static stage was flushed: its copy is issued, so nothing more can be written")
         i = self._block.field_index(name)
         dtype = self._block.fields[i].dtype
         if isinstance(values, np.ndarray) and values.dtype == NUMPY_DTYPE[dtype] and values.shape == (self.live,):
@@ -324,9 +347,42 @@ class StaticStage:
     ) -> None:
         self.close(ok=exc_type is None)
 
+    def flush(self) -> None:
+        """Issue the step's one copy now, keeping the stage open for ``readback`` after the replay."""
+        if not self.stage.is_open or self.flushed:
+            raise PoolStateError("this static stage is closed or already flushed: its copy is issued")
+        self._check_complete()
+        self._block.issue(self)
+
+    def readback(self, src: torch.Tensor) -> Readback:
+        """Copy ``src`` (the replay's output) back into this step's slot: one slot, one fence, both ways.
+
+        Call it after launching the work that reads the block and writes ``src`` (the
+        graph replay), on the stage's stream; it flushes first if needed. The slot's fence
+        is recorded after this copy, so close adds none. Read the handle within
+        ``num_slots`` claims of the pool, like ``pool.readback``.
+        """
+        if not self.flushed:
+            self.flush()
+        return self.stage.readback(src)
+
+    def _check_complete(self) -> None:
+        block = self._block
+        # With no live row every value is padding, which the stage writes itself.
+        if self.live and self._written != block.all_written:
+            missing = [f.name for i, f in enumerate(block.fields) if not self._written >> i & 1]
+            block.finish(self, ok=False)
+            raise PoolStateError(
+                f"every static field must be written each step (missing: {missing}); the slot still holds an "
+                "older step's values there, so the stage was aborted and nothing was copied"
+            )
+
     def close(self, ok: bool = True) -> None:
         """Pad, then the one copy (``ok``); or abort, leaving the block as it was."""
         if not self.stage.is_open:
+            return
+        if self.flushed:
+            self._block.finish(self, ok)
             return
         block = self._block
         # With no live row every value is padding, which close writes itself.

@@ -605,9 +605,9 @@ def test_a_registered_reader_costs_two_device_waits_and_no_host_wait() -> None:
         ("cudaEventRecord", "replay"),  # after the previous replay...
         ("cudaStreamWaitEvent", "stage"),  # ...the copy waits for it
         ("cudaMemcpyAsync", "stage"),  # the one copy
-        ("cudaEventRecord", "stage"),  # the slot's fence
         ("cudaEventRecord", "stage"),  # landed...
         ("cudaStreamWaitEvent", "replay"),  # ...the next replay waits for it
+        ("cudaEventRecord", "stage"),  # the slot's fence, at close
     ]
     gpu.calls.clear()
     _sim_step(block, 8, 5, 4, reader)  # staging on the reader's own stream: stream order is enough
@@ -761,3 +761,79 @@ def test_readers_are_a_tuple_in_registration_order_without_duplicates() -> None:
     readers = block.readers
     assert readers == (r1, r2) and isinstance(readers, tuple)
     assert isinstance(block.views(4), Mapping)
+
+
+# -- host images and the exchange (flush, read-back into the same slot) ------------------
+def test_a_host_image_lands_every_field_and_its_padding_in_one_memcpy() -> None:
+    """Catches an image whose padding or live rows differ from what puts would have landed."""
+    pool, block = cpu_block()
+    rng = random.Random(3)
+    for rows, live in [(8, 3), (8, 8), (4, 0), (MAX_ROWS, 1)]:
+        values = values_for(rng, rows * 10 + live, live)
+        image = block.host_image(rows, live)
+        for name, arr in values.items():
+            image.views[name][:] = arr
+        copies = pool.stats().copies
+        with block.stage(rows, live) as st:
+            st.put_image(image)
+        assert pool.stats().copies == copies + 1
+        assert block_values(block, rows) == as_lists(padded(block, rows, values))
+
+
+def test_an_image_of_another_shape_or_block_is_refused_and_nothing_lands() -> None:
+    """Catches put_image copying an image laid out for another (rows, live) or block."""
+    pool, block = cpu_block()
+    other = StaticInputs(pool, FIELDS, max_rows=MAX_ROWS)
+    before = one_step(block, 8, 5, seed=1)
+    for image in (block.host_image(8, 4), block.host_image(4, 4), other.host_image(8, 5)):
+        copies = pool.stats().copies
+        with pytest.raises(StagingValueError, match="'image'"), block.stage(8, 5) as st:
+            st.put_image(image)
+        assert pool.stats().copies == copies
+        assert block_values(block, 8) == as_lists(before)
+
+
+def test_an_exchange_reads_back_into_its_own_slot_under_one_claim() -> None:
+    """Catches a read-back that claims a second slot, lands before the copy, or lets a write follow flush."""
+    pool, block = cpu_block(num_slots=3)
+    src = torch.arange(5, dtype=torch.int64) * 7
+    claims, stats = pool.claims, pool.stats()
+    st = block.stage(8, 5)
+    values = values_for(random.Random(2), 2, 5)
+    for name, arr in values.items():
+        st.put(name, arr)
+    st.flush()
+    with pytest.raises(PoolStateError, match="flushed"):
+        st.put("step", values["step"])
+    handle = st.readback(src)
+    st.close()
+    after = pool.stats()
+    assert pool.claims == claims + 1
+    assert after.copies == stats.copies + 1 and after.readbacks == stats.readbacks + 1
+    assert handle.tolist() == src.tolist()
+    assert block_values(block, 8) == as_lists(padded(block, 8, values))
+
+
+def test_an_exchange_on_the_simulator_reads_back_what_its_replay_wrote() -> None:
+    """Catches a read-back queued before the replay's output, or a copy that lands after the replay read it."""
+    for seed in range(30):
+        gpu, _, block = _sim_block(max_lag=random.Random(seed).randint(0, 12), seed=seed, num_slots=3)
+        stream = gpu.new_stream("forward")
+        out = torch.zeros(8, dtype=torch.int64)  # "device" memory the replay writes
+        handles = []
+        for step in range(10):
+            rng = random.Random(seed * 100 + step)
+            values = values_for(rng, step, 8)
+            st = block.stage(8, 8, stream=stream)
+            write_values(st, values, rng)
+            st.flush()
+            for name, view in block.views(8).items():  # the replay reads its own step...
+                gpu.enqueue_check(view, padded(block, 8, values)[name], f"seed {seed} step {step} {name}", stream)
+            gpu.enqueue_write(out, torch.full((8,), step * 3 + 1, dtype=torch.int64), stream)  # ...and writes
+            handles.append((step, st.readback(out)))
+            st.close()
+            if len(handles) == 2:  # read each within the ring's lifetime
+                done, handle = handles.pop(0)
+                assert handle.tolist() == [done * 3 + 1] * 8, f"seed {seed} step {done}"
+        gpu.drain()
+        assert not gpu.mismatches and not gpu.races and not gpu.errors, (seed, gpu.mismatches[:2])
