@@ -245,6 +245,11 @@ class GraphEngine(Engine):
         with self.staging("decode.stage"), self.phases("stage"):
             if mode == "pool":
                 exchange = self._stage_pool(reqs, bs, rows)
+                if exchange.stream is not self.forward_stream:
+                    # Copied on the scheduler's stream: the tokens are read back on the
+                    # forward stream, where the replay runs, by a read-back of their own.
+                    exchange.close()
+                    exchange = None
             elif mode == "pinned":
                 self._stage_pinned(reqs, bs, rows)
             else:
@@ -268,11 +273,9 @@ class GraphEngine(Engine):
                 self.times.gpu_events.append((start, end))
             with self.staging("decode.readback"), self.phases("readback"):
                 out = self.graphs.out_tokens[:bs]
-                if exchange is not None and exchange.stream is self.forward_stream:
+                if exchange is not None:
                     pending = self.reader.wrap(exchange.readback(out))
                 elif mode == "pool":
-                    # The block was copied on the scheduler's stream: read back on the
-                    # forward stream, which the replay ran on.
                     pending = self.reader.wrap(self.pool.readback(out))
                 else:
                     pending = self.reader.start(out)

@@ -5,6 +5,11 @@
    weighted checksum; pinned and device memory checked flat from stage 1,000 on.
 2. decode soak: the reference loop for M decode steps with requests joining and
    leaving, in pool mode and in sync mode; token streams compared, memory checked flat.
+3. graph soak: the graph loop (``engine.graph_loop``) for M decode steps in pool mode,
+   the block copied on the scheduler's stream and replayed on the forward stream behind
+   random GPU lag, each replay logging the step it read (``check_steps``); against
+   pinned+graph without lag: token streams compared, every step's log checked, memory
+   checked flat.
 
     python3 tests/bench/soak.py [--stages 100000] [--decode-steps 20000] [--json FILE]
 """
@@ -125,6 +130,52 @@ def decode_soak(steps: int) -> dict[str, Any]:
     return result
 
 
+def graph_soak(steps: int) -> dict[str, Any]:
+    from engine.graph import CHECK_STEPS
+    from engine.graph_loop import GraphConfig, GraphEngine
+
+    steps = min(steps, CHECK_STEPS - 1)
+    cfg = ModelConfig()
+    result: dict[str, Any] = {"graph_decode_steps": steps}
+    streams = {}
+    runs = {
+        "pool": GraphConfig(lag_cycles=400_000, lag_seed=3, check_steps=True, upload_stream="schedule"),
+        "pinned": GraphConfig(),
+    }
+    for mode, graph_cfg in runs.items():
+        engine = GraphEngine(cfg, mode, DEV, EngineConfig(max_running=32), graph_cfg)  # type: ignore[arg-type]
+        wl = Workload(num_requests=steps, arrival_gap=1.5, new_tokens=(8, 40), seed=11)
+        engine.submit(make_requests(wl, cfg.vocab_size))
+        decodes, marks = 0, {}
+        start = time.perf_counter()
+        while engine.busy and decodes < steps:
+            decodes += engine.step() == "decode"
+            if decodes in (1_000, steps) and decodes not in marks:
+                torch.cuda.synchronize()
+                marks[decodes] = memory()
+        while engine.busy:  # past the step budget: finish what runs, admit nothing new
+            engine.waiting.clear()
+            engine.step()
+        torch.cuda.synchronize()
+        streams[mode] = {r.rid: tuple(r.output) for r in engine.submitted if r.done}
+        result[f"graph_{mode}_seconds"] = time.perf_counter() - start
+        if mode == "pool":
+            n = engine.replays
+            seen = engine.graphs.seen_steps[1 : n + 1].tolist()
+            positions = engine.graphs.seen_positions[1 : n + 1].tolist()
+            result["graph_replays"] = n
+            result["graph_steps_logged_right"] = seen == list(range(1, n + 1))
+            result["graph_positions_logged_right"] = positions == engine.expected_positions[:n]
+            result["graph_stalls"] = engine.pool.stats().stalls
+            if 1_000 in marks and steps in marks:
+                result["graph_pinned_allocs_1000_to_end"] = marks[steps][0] - marks[1_000][0]
+                result["graph_device_bytes_1000_to_end"] = marks[steps][2] - marks[1_000][2]
+    common = streams["pool"].keys() & streams["pinned"].keys()
+    result["graph_requests"] = len(common)
+    result["graph_streams_identical"] = bool(common) and all(streams["pool"][r] == streams["pinned"][r] for r in common)
+    return result
+
+
 def _outputs(engine: Engine) -> dict[int, list[int]]:
     return engine.finished_outputs  # every submitted request has finished by now
 
@@ -140,10 +191,15 @@ def main() -> int:
     print("ring soak:", json.dumps(ring), flush=True)
     decode = decode_soak(args.decode_steps)
     print("decode soak:", json.dumps(decode), flush=True)
+    graph = graph_soak(args.decode_steps)
+    print("graph soak:", json.dumps(graph), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ring": ring, "decode": decode}, f, indent=2)
-    ok = ring["wrong_values"] == 0 and decode["streams_identical"]
+            json.dump({"ring": ring, "decode": decode, "graph": graph}, f, indent=2)
+    graph_ok = (
+        graph["graph_streams_identical"] and graph["graph_steps_logged_right"] and graph["graph_positions_logged_right"]
+    )
+    ok = ring["wrong_values"] == 0 and decode["streams_identical"] and graph_ok
     print("\n== soak summary")
     print(
         f"ring   : {ring['stages']} stages, {ring['wrong_values']} wrong, {ring['stalls']} stalls "
@@ -155,6 +211,14 @@ def main() -> int:
         f"{decode['requests']} requests, identical streams {decode['streams_identical']}, pinned allocs 1000->end "
         f"{decode.get('pool_pinned_allocs_1000_to_end')}, device bytes 1000->end "
         f"{decode.get('pool_device_bytes_1000_to_end')}"
+    )
+    print(
+        f"graph  : {graph['graph_replays']} pool+graph replays behind random lag ({graph['graph_stalls']} stalls), "
+        f"{graph['graph_requests']} requests compared with pinned+graph, identical streams "
+        f"{graph['graph_streams_identical']}, every replay read its own step {graph['graph_steps_logged_right']} "
+        f"(positions {graph['graph_positions_logged_right']}), pinned allocs 1000->end "
+        f"{graph.get('graph_pinned_allocs_1000_to_end')}, device bytes 1000->end "
+        f"{graph.get('graph_device_bytes_1000_to_end')}"
     )
     print("SOAK", "PASSED" if ok else "FAILED")
     return 0 if ok else 1
