@@ -1,14 +1,17 @@
 """The graph-decode workload of ``pinpool bench``: decode replayed as CUDA graphs, per staging mode.
 
-Two model configs with random weights:
+Three model configs with random weights (``CONFIGS``):
 
-- ``host-bound``: the tiny model (hidden 256, 2 layers), whose replayed step is short
-  enough that the host's per-step work (schedule, stage, replay launch, read-back) sets
-  the pace: small and draft models on fast GPUs;
+- ``host-bound``: a draft-sized model (hidden 128, 1 layer, 2k vocabulary), whose
+  replayed step is short enough that the host's per-step work (schedule, stage, replay
+  launch, read-back) can set the pace: small and draft models on fast GPUs;
+- ``tiny``: the reference loop's model (hidden 256, 2 layers, 32k vocabulary);
 - ``GPU-bound``: hidden 1024, 16 layers, where the replay outlasts the host's work.
 
+``PINPOOL_GRAPH_CONFIGS=host-bound,tiny`` runs a subset; ``--running`` sets the sizes.
+
 Modes: ``pinned+graph``, ``sglang+graph``, ``pool+graph`` (``engine.graph_loop``), and
-the eager loop in ``pinned`` and ``pool`` (``engine.loop``) on the same model. Per mode:
+the eager loop in ``pinned`` and ``pool`` (``engine.loop``) on the tiny model. Per mode:
 
 - host µs: host time per decode step less the time it waited for the GPU (read-backs
   and ring stalls): the host's own work;

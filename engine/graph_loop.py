@@ -6,25 +6,27 @@ graph's static block, replays it on the forward stream and queues one read-back 
 sampled tokens. As in ``engine.loop`` the host reads step N's tokens only after step
 N+1 is queued, so it schedules and stages a step while the GPU runs the previous one.
 
-Streams, as sglang's overlap scheduler has them: the scheduler's stream (current when
-the engine is built) is where host-to-device uploads go; the forward, the replay and the
-read-back run on a stream of their own.
+Streams, as in sglang's overlap mode: the forward runs on a stream of its own. Each
+iteration makes it current once (``use_stream``), so prefill, the decode step's device
+work, its read-back and the frees all queue there; the stream that was current when the
+engine was built is the scheduler's (``schedule_stream``).
 
 The modes differ only in how the static block gets its values:
 
 - ``pinned``: per step, rows and positions as pinned temporaries with non-blocking
-  copies (PR #28076) on the scheduler's stream; the forward stream waits for them, then
-  device-to-device copies and padding fills write the graph inputs (KV slots from the
-  device free list; the sampling parameters, uploaded when the batch changes, are
-  copied into the graph inputs then);
+  copies (PR #28076), then device-to-device copies write the graph inputs (KV slots
+  from the device free list; the sampling parameters, uploaded when the batch changes,
+  are copied in then, with the padding);
 - ``sglang``: the batch state stays on the device: positions are incremented there, KV
-  slots come from the device free list, and device-to-device copies and padding fills
-  write the graph inputs. Nothing is uploaded in steady decode (the batch is uploaded
-  when it changes);
+  slots come from the device free list, and device-to-device copies write the graph
+  inputs (padding and sampling inputs when the batch or the graph size changes).
+  Nothing is uploaded in steady decode (the batch is uploaded when it changes);
 - ``pool``: the scheduler keeps the batch on the host (KV slots from a host free list,
-  ``memcache.HostKVAllocator``) and one ``StaticInputs`` stage lands every field,
-  padding included, in ONE host-to-device copy; the forward stream is a registered
-  reader of the block, so the stream rules order the copy and the replays.
+  ``memcache.HostKVAllocator``, and the block's host image) and one ``StaticInputs``
+  stage lands every field, padding included, in ONE host-to-device copy; the tokens come
+  back into the same slot (``StaticStage.readback``). ``GraphConfig(upload_stream=
+  "schedule")`` puts that copy on the scheduler's stream instead, with the forward stream
+  a registered reader of the block: the stream rules (README, rule 9) order them.
 """
 
 from __future__ import annotations

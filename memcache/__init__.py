@@ -6,6 +6,7 @@ share an environment.
 
 from memcache.allocate import allocate_extend
 from memcache.exceptions import AllocationError, CacheIndexError
+from memcache.host_kv_allocator import HostKVAllocator
 from memcache.kv_allocator import TokenToKVPoolAllocator
 from memcache.req_to_token import ReqToTokenPool
 from memcache.write_cache import write_cache_indices
@@ -14,6 +15,7 @@ from memcache.write_kernel import launch_write_req_to_token, write_req_to_token_
 __all__ = [
     "AllocationError",
     "CacheIndexError",
+    "HostKVAllocator",
     "ReqToTokenPool",
     "TokenToKVPoolAllocator",
     "allocate_extend",

@@ -49,3 +49,13 @@ def test_readme_snippet_prints_only_what_the_user_prints(tmp_path: Path) -> None
     assert printed.read_text(), "the snippet printed nothing: nothing was checked"
     assert done.stdout == printed.read_text()
     assert "pool.created" in done.stderr  # events still go somewhere: stderr, by default
+
+
+def test_the_static_inputs_snippet_lands_live_rows_and_padding() -> None:
+    """Catches a README StaticInputs example that no longer runs or lands other values."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "StaticInputs(" in b]
+    assert blocks, "README.md has no StaticInputs example"
+    printed: list[tuple[object, ...]] = []
+    exec(compile(blocks[0], "README StaticInputs snippet", "exec"), {"print": lambda *a: printed.append(a)})
+    assert printed == [([17, 5, 9, 0], [0.699999988079071, 0.699999988079071, 0.699999988079071, 1.0])]
