@@ -43,7 +43,7 @@ from engine.loop import Engine, EngineConfig, StagingClock, _Batch
 from engine.model import ModelConfig, SleepModel, TinyDecoder
 from engine.readback import Pending, TokenReader
 from engine.requests import Request
-from memcache import AllocationError
+from memcache import AllocationError, TokenToKVPoolAllocator
 from memcache.host_kv_allocator import HostKVAllocator
 from pinpool import StaticInputs, StaticStage
 from pinpool.transport import use_stream
@@ -147,6 +147,12 @@ class GraphEngine(Engine):
             self.kv = HostKVAllocator(cfg.kv_slots)  # type: ignore[assignment]
             #: int64 [rows, max_context_len]: the KV slot of each (row, position), on the host.
             self.slot_of = np.zeros((self.rtt.size, model_cfg.max_context_len), dtype=np.int64)
+        elif self.forward_stream is not None:
+            # The device free list lives on the forward stream, where it is sliced, read and
+            # replaced (torch.cat): allocated there, its memory is never handed to another
+            # stream's pool while forward-stream kernels may still read it.
+            with use_stream(self.forward_stream):
+                self.kv = TokenToKVPoolAllocator(cfg.kv_slots, device)
         self._lag = random.Random(self.graph_cfg.lag_seed) if self.graph_cfg.lag_cycles else None
         extra = None
         if self.extra_cycles:
@@ -171,6 +177,9 @@ class GraphEngine(Engine):
         #: Where the pool mode's block copy goes (None: the host path).
         self.upload_stream = self.forward_stream
         if self.forward_stream is not None:
+            # The forward stream writes the block (device-to-device copies in the pinned and
+            # sglang modes) and reads it (every replay).
+            self.graphs.block.record_stream(self.forward_stream)
             if self.graph_cfg.upload_stream == "schedule":
                 self.upload_stream = self.schedule_stream
                 self.graphs.block.register_reader(self.forward_stream)
@@ -296,7 +305,11 @@ class GraphEngine(Engine):
         slots = self.kv.alloc(bs)
         positions = batch.positions
         batch.slots[:] = slots
-        st = block.stage(rows, bs, stream=self.upload_stream)
+        try:
+            st = block.stage(rows, bs, stream=self.upload_stream)
+        except BaseException:
+            self.kv.free(slots)  # nothing was staged: the step's KV slots go back
+            raise
         try:
             st.put_image(batch.image)  # every field, padding included: one memcpy
             if self.graphs.check_steps:

@@ -168,6 +168,7 @@ class PinnedRingBuffer:
         owned_bytes: int | None = None,
         owned: torch.Tensor | None = None,
         zero_copy: bool = False,
+        reuse_owned: bool = False,
     ) -> Stage:
         """Open a stage in the next slot; use as ``with pool.stage() as st:``.
 
@@ -175,6 +176,10 @@ class PinnedRingBuffer:
         passed, or the pool device's current stream at this call, wherever the stage is
         closed (rule 2). ``owned_bytes`` / ``owned``: copy into consumer-owned device
         memory instead of the ring mirror (rule 4), for data that outlives the ring.
+        ``reuse_owned``: the caller passes this same ``owned`` buffer stage after stage (a
+        ``StaticInputs`` block): its copy slices are cached, which keeps the buffer alive
+        in the pool until the cache is cleared. Off by default, so a buffer passed once is
+        freed with its last reference.
         ``zero_copy``: no copy; the views alias the pinned slot and must be read by kernels
         launched before the stage closes (``pinpool.zero_copy``; needs
         ``PoolSettings(zero_copy=True)`` and a platform that passed its check).
@@ -187,7 +192,7 @@ class PinnedRingBuffer:
         owned_device = None if owned_bytes is None and owned is None else self._owned_buffer(owned_bytes, owned, stream)
         slot = self._claim(stream, writes_mirror=owned_device is None)
         st = Stage(self, self._layouts[slot], slot, self._generation, stream, owned_device)
-        st.owned_reused = owned is not None
+        st.owned_reused = reuse_owned and owned is not None
         self._open = st
         return st
 

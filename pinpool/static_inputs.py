@@ -179,7 +179,7 @@ class StaticInputs:
             raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
         if self._open is not None:
             raise PoolStateError("a StaticInputs stage is already open: close it before opening the next")
-        st = self.pool.stage(stream=stream, owned=self.device_block)
+        st = self.pool.stage(stream=stream, owned=self.device_block, reuse_owned=True)
         try:
             host_raw = st.reserve_host(self.nbytes(rows), name="static inputs")
         except BaseException:
@@ -211,13 +211,16 @@ class StaticInputs:
         """Close ``sst``: its copy unless issued already (``flush``) or aborted, then the slot's fence."""
         self._open = None
         st = sst.stage
-        if not sst.flushed:
-            if not ok:
-                st.close(ok=False)  # nothing copied: the block keeps the previous step's values
-                return
-            self.issue(sst)
-        # The slot's fence, on the stage's stream, after the copy (and any read-back).
-        st.close(ok=ok)
+        if not sst.flushed and not ok:
+            st.close(ok=False)  # nothing copied: the block keeps the previous step's values
+            return
+        try:
+            if not sst.flushed:
+                self.issue(sst)
+        finally:
+            # The slot's fence, on the stage's stream, after the copy (and any read-back);
+            # a copy that raised still closes the ring's stage (fenced if it was queued).
+            st.close(ok=ok and sst.flushed)
 
     def issue(self, sst: StaticStage) -> None:
         """Pad, order the copy after the block's previous readers and writer, copy, order readers after it."""
@@ -228,10 +231,7 @@ class StaticInputs:
                 view[live:] = pad
         transport, stream = self._transport, st.stream
         # Before the copy overwrites the block: the previous readers' work must be done.
-        for reader, fence in zip(self._readers, self._read_fences, strict=True):
-            if not transport.same_stream(reader, stream):
-                fence.record(reader)
-                transport.stream_wait(stream, fence)
+        self.wait_for_readers(stream)
         writer = self._writer
         if writer is not stream and not transport.same_stream(writer, stream):
             # A change of stream (rule 2): the previous copy (or the allocation) may still be
@@ -240,12 +240,25 @@ class StaticInputs:
             transport.stream_wait(stream, self._writer_fence)
         self._writer = stream
         st.flush()  # the one copy, on the stage's stream
-        sst.flushed = True
+        sst.flushed = True  # from here on the copy is queued: close must fence it
         waiting = [r for r in self._readers if not transport.same_stream(r, stream)]
         if waiting:
             self._landed.record(stream)
             for reader in waiting:
                 transport.stream_wait(reader, self._landed)
+
+    def wait_for_readers(self, stream: Stream) -> None:
+        """Make ``stream`` wait, on the device, for the work queued so far on every other reader."""
+        transport = self._transport
+        for reader, fence in zip(self._readers, self._read_fences, strict=True):
+            if not transport.same_stream(reader, stream):
+                fence.record(reader)
+                transport.stream_wait(stream, fence)
+
+    def record_stream(self, stream: Stream) -> None:
+        """Declare a stream that touches the block outside stages and readers (device-to-device
+        writes into ``views``, say), so its memory is not reused while that stream may use it."""
+        self._note_stream(self._transport.resolve_stream(stream))
 
     def _note_stream(self, stream: Stream) -> None:
         # torch's caching allocator frees a block for reuse by its allocation stream only:
@@ -358,12 +371,16 @@ class StaticStage:
         """Copy ``src`` (the replay's output) back into this step's slot: one slot, one fence, both ways.
 
         Call it after launching the work that reads the block and writes ``src`` (the
-        graph replay), on the stage's stream; it flushes first if needed. The slot's fence
+        graph replay), on the stage's stream or on a registered reader (the read-back then
+        waits for that reader on the device); it flushes first if needed. The slot's fence
         is recorded after this copy, so close adds none. Read the handle within
         ``num_slots`` claims of the pool, like ``pool.readback``.
         """
         if not self.flushed:
             self.flush()
+        # ``src`` is written by the replay, which may run on a registered reader: the
+        # read-back's stream waits (on the device) for the work queued there so far.
+        self._block.wait_for_readers(self.stage.stream)
         return self.stage.readback(src)
 
     def _check_complete(self) -> None:
