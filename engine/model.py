@@ -44,12 +44,12 @@ class TinyDecoder:
         self.cfg = cfg
         gen = torch.Generator().manual_seed(cfg.seed)
 
-        def weight(fan_in: int, fan_out: int) -> torch.Tensor:
-            # Drawn as [in, out], stored as [out, in] (torch's Linear layout): matmuls then
-            # run as x @ W.T, the cuBLAS case its heuristics serve best. Measured on an H200
-            # (2026-11-30): the [in, out] layout picked a 100 µs float32 GEMM at 16 rows.
-            drawn = torch.randn(fan_in, fan_out, generator=gen) / math.sqrt(fan_in)
-            return drawn.t().contiguous().to(device)
+        # Weights stay [in, out] (x @ W). torch's Linear layout ([out, in], x @ W.T) was tried
+        # and measured a slower replayed decode step on an H200 (2026-11-30, same random
+        # values): 3086 against 2624 µs at 16 running for the GPU-bound config, 296 against
+        # 241 µs for the host-bound one (tests/bench/RESULTS.md, runs of 13:55 and 14:16).
+        def weight(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen) / math.sqrt(shape[0])).to(device)
 
         h = cfg.hidden
         self.embed = (torch.randn(cfg.vocab_size, h, generator=gen) * 0.5).to(device)
@@ -58,7 +58,7 @@ class TinyDecoder:
             {"qkv": weight(h, 3 * h), "o": weight(h, h), "up": weight(h, cfg.ffn), "down": weight(cfg.ffn, h)}
             for _ in range(cfg.layers)
         ]
-        self.lm_head = weight(h, cfg.vocab_size) * 4.0  # [vocab, h]; sharper logits: sampling filters matter
+        self.lm_head = weight(h, cfg.vocab_size) * 4.0  # sharper logits: sampling filters matter
 
     @torch.no_grad()
     def forward(
@@ -82,17 +82,17 @@ class TinyDecoder:
         # graph each kernel costs its launch latency on the GPU, and a step of a tiny model
         # is mostly that.
         for layer, w in enumerate(self.blocks):
-            qkv = torch.nn.functional.linear(torch.nn.functional.rms_norm(x, hidden, eps=1e-6), w["qkv"])
+            qkv = torch.nn.functional.rms_norm(x, hidden, eps=1e-6) @ w["qkv"]
             q, k, v = qkv.view(-1, 3, cfg.heads, cfg.head_dim).unbind(1)
             cache.k[layer, out_cache_loc] = k
             cache.v[layer, out_cache_loc] = v
             keys = cache.k[layer][slots].transpose(1, 2)  # [T, heads, max_len, hd]
             values = cache.v[layer][slots].transpose(1, 2)
             attn = torch.nn.functional.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=visible)
-            x = torch.addmm(x, attn.reshape(-1, cfg.hidden), w["o"].t())
-            up = torch.nn.functional.linear(torch.nn.functional.rms_norm(x, hidden, eps=1e-6), w["up"])
-            x = torch.addmm(x, torch.nn.functional.gelu(up), w["down"].t())
-        return torch.nn.functional.linear(torch.nn.functional.rms_norm(x[last_index], hidden, eps=1e-6), self.lm_head)
+            x = torch.addmm(x, attn.reshape(-1, cfg.hidden), w["o"])
+            up = torch.nn.functional.gelu(torch.nn.functional.rms_norm(x, hidden, eps=1e-6) @ w["up"])
+            x = torch.addmm(x, up, w["down"])
+        return torch.nn.functional.rms_norm(x[last_index], hidden, eps=1e-6) @ self.lm_head
 
 
 class SleepModel:
