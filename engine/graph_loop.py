@@ -107,7 +107,9 @@ class _DeviceBatch:
         cols = sampling_columns(records)
         # As lists: the per-field pattern builds each tensor from Python values (torch cannot
         # pin a tensor made from a numpy array).
-        fields += [(cols[name].tolist(), _TORCH_DTYPE.get(name, torch.int64)) for name in _SAMPLING]
+        fields += [
+            (cols[name].tolist(), _TORCH_DTYPE.get(name, torch.int64)) for name in _SAMPLING
+        ]  # sync-ok: numpy arrays on the host, no device
         uploaded = up.upload("batch", fields)
         self.rows, self.positions = uploaded[0], uploaded[1]
         self.sampling = dict(zip(_SAMPLING, uploaded[2:], strict=True))
@@ -314,7 +316,7 @@ class GraphEngine(Engine):
             st.put_image(batch.image)  # every field, padding included: one memcpy
             if self.graphs.check_steps:
                 st.put("step", np.full(bs, self.replays + 1, dtype=np.int64))
-                self.expected_positions.append(int(positions[0]))
+                self.expected_positions.append(int(positions[0]))  # sync-ok: numpy on the host, no device
             st.flush()
         except BaseException:
             st.close(ok=False)

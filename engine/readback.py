@@ -37,7 +37,7 @@ class TokenReader:
         if not self._cuda:
             # Host memory: reading now costs no sync, and the source may be a buffer the
             # next step rewrites (the graph loop's out_tokens).
-            now: list[int] = tokens.tolist()
+            now: list[int] = tokens.tolist()  # sync-ok: host memory (the CPU path), no device
             return lambda: now
         if self.mode == "sync":
 

@@ -212,7 +212,7 @@ def sampling_columns(records: np.ndarray[Any, Any] | bytes | bytearray | memoryv
         return {f.name: np.zeros(0, NUMPY_DTYPE[f.dtype]) for f in SAMPLING_FIELDS}
     flags = np.ndarray((n,), np.uint16, buf, _FLAGS_OFFSET, (_RECORD_BYTES,))
     if int(np.bitwise_or.reduce(flags)) & FLAG_BIAS:
-        i = int(np.flatnonzero(flags & FLAG_BIAS)[0])
+        i = int(np.flatnonzero(flags & FLAG_BIAS)[0])  # sync-ok: numpy records on the host
         raise BatchMismatchError(
             f"requests sampled in a captured graph must carry no logit bias (got one in request {i}): the bias "
             "is not captured in the graph (its entries vary per step); sample such a batch eagerly with a "
