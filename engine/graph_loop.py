@@ -113,7 +113,6 @@ class _DeviceBatch:
         uploaded = up.upload("batch", fields)
         self.rows, self.positions = uploaded[0], uploaded[1]
         self.sampling = dict(zip(_SAMPLING, uploaded[2:], strict=True))
-        self.fresh = True  # the sampling inputs still have to be copied into the graph inputs
 
 
 class GraphEngine(Engine):
@@ -137,7 +136,6 @@ class GraphEngine(Engine):
         self.graph_mode: GraphMode = mode
         self.graph_cfg = graph_cfg or GraphConfig()
         cuda = device.type == "cuda"
-        self.cuda = cuda
         # The scheduler's stream (uploads) and the forward stream (prefill, replays, reads).
         self.schedule_stream = torch.cuda.current_stream(device) if cuda else None
         self.forward_stream = torch.cuda.Stream(device) if cuda else None
