@@ -84,7 +84,7 @@ class Stage:
         self.stream = stream
         #: Consumer-owned device memory the copy lands in instead of the ring (rule 4).
         self.owned_device = owned_device
-        #: True when the caller passed that memory (``owned=``) and may pass it again.
+        #: True when the caller passes this same ``owned=`` buffer stage after stage (``reuse_owned=True``).
         self.owned_reused = False
         self._capacity = (
             pool.settings.slot_bytes if owned_device is None else min(pool.settings.slot_bytes, owned_device.numel())
