@@ -398,18 +398,8 @@ class StaticStage:
         """Pad, then the one copy (``ok``); or abort, leaving the block as it was."""
         if not self.stage.is_open:
             return
-        if self.flushed:
-            self._block.finish(self, ok)
-            return
-        block = self._block
-        # With no live row every value is padding, which close writes itself.
-        if ok and self.live and self._written != block.all_written:
-            missing = [f.name for i, f in enumerate(block.fields) if not self._written >> i & 1]
-            self._block.finish(self, ok=False)
-            raise PoolStateError(
-                f"every static field must be written each step (missing: {missing}); the slot still holds an "
-                "older step's values there, so the stage was aborted and nothing was copied"
-            )
+        if ok and not self.flushed:
+            self._check_complete()  # raises, the stage aborted, when a field was not written
         self._block.finish(self, ok)
 
 
