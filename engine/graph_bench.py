@@ -2,7 +2,7 @@
 
 Three model configs with random weights (``CONFIGS``):
 
-- ``host-bound``: a draft-sized model (hidden 128, 1 layer, 2k vocabulary), whose
+- ``host-bound``: a draft-sized model (hidden 128, 1 layer, 2k vocabulary, bfloat16), whose
   replayed step is short enough that the host's per-step work (schedule, stage, replay
   launch, read-back) can set the pace: small and draft models on fast GPUs;
 - ``tiny``: the reference loop's model (hidden 256, 2 layers, 32k vocabulary);
@@ -45,9 +45,16 @@ from pinpool.bench.kit import BenchContext, Spread, Table, ratio
 
 WARM_STEPS = 4
 CONFIGS = {
-    # A draft-sized model: one layer, a 2k vocabulary. Its replayed step (model and
-    # sampler) is the shortest the graph gets, so the host's per-step work decides.
-    "host-bound": ModelConfig(hidden=128, layers=1, heads=2, ffn=256, vocab_size=2048, max_context_len=160),
+    # A draft-sized model: one layer, a 2k vocabulary, bfloat16 as served. Its replayed
+    # step (model and sampler) is the shortest the graph gets, so the host's per-step work
+    # decides. In float32, cuBLAS took a 54 µs GEMM kernel for each of the layer's two
+    # addmm products (attention out, FFN down) at 16 rows, and that step (239 µs)
+    # outlasted every host step;
+    # in bfloat16 the step measured 99 / 109 / 122 µs at 1 / 16 / 64 rows (H200,
+    # 2026-11-30, tests/bench/diag_calls.py).
+    "host-bound": ModelConfig(
+        hidden=128, layers=1, heads=2, ffn=256, vocab_size=2048, max_context_len=160, dtype="bfloat16"
+    ),
     # The reference loop's tiny model (2 layers, hidden 256, 32k vocabulary).
     "tiny": ModelConfig(max_context_len=160),
     "GPU-bound": ModelConfig(hidden=1024, layers=16, heads=16, ffn=4096, max_context_len=160),

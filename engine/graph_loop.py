@@ -42,7 +42,7 @@ from engine.graph import DEFAULT_SIZES, DecodeGraphs
 from engine.loop import Engine, EngineConfig, StagingClock, _Batch
 from engine.model import ModelConfig, SleepModel, TinyDecoder
 from engine.readback import Pending, TokenReader
-from engine.requests import Request
+from engine.requests import Request, accept_all
 from memcache import AllocationError, TokenToKVPoolAllocator
 from memcache.host_kv_allocator import HostKVAllocator
 from pinpool import StaticInputs, StaticStage
@@ -237,10 +237,8 @@ class GraphEngine(Engine):
     def _consume(self, read: Pending, reqs: list[Request]) -> None:
         with self.staging("read"):
             tokens = read()
-        for r, token in zip(reqs, tokens, strict=True):
-            r.accept(token)
-        if not any(r.done for r in self.running):
-            return
+        if not accept_all(reqs, tokens):
+            return  # nobody finished: the batch (and the pool mode's host image) stays as it is
         for r in self.running:
             if r.done:
                 self._free(r)

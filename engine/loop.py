@@ -19,7 +19,7 @@ import torch
 from engine.baseline import PerFieldSamplingInfo, write_cache_per_field
 from engine.model import KVCache, ModelConfig, SleepModel, TinyDecoder
 from engine.readback import Pending, TokenReader
-from engine.requests import Request
+from engine.requests import Request, accept_all
 from engine.uploader import POOL_MODES, Mode, Uploader
 from memcache import ReqToTokenPool, TokenToKVPoolAllocator, allocate_extend, write_cache_indices
 from pinpool import PinnedRingBuffer, PoolSettings, Stage
@@ -319,8 +319,7 @@ class Engine:
     def _consume(self, read: Pending, reqs: list[Request]) -> None:
         with self.staging("read"):
             tokens = read()
-        for r, token in zip(reqs, tokens, strict=True):
-            r.accept(token)
+        accept_all(reqs, tokens)
         keep = [i for i, r in enumerate(self.running) if not r.done]
         if len(keep) == len(self.running):
             return

@@ -22,10 +22,19 @@ class ModelConfig:
     ffn: int = 512
     max_context_len: int = 512
     seed: int = 0
+    #: Weights, activations and the KV cache; logits are float32 whatever it is.
+    dtype: str = "float32"
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"'dtype' must name a torch floating dtype, e.g. 'bfloat16' (got {self.dtype!r})")
+        return dtype
 
 
 class KVCache:
@@ -33,8 +42,8 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, num_slots: int, device: torch.device) -> None:
         shape = (cfg.layers, num_slots + 1, cfg.heads, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device)
-        self.v = torch.zeros(shape, device=device)
+        self.k = torch.zeros(shape, device=device, dtype=cfg.torch_dtype)
+        self.v = torch.zeros(shape, device=device, dtype=cfg.torch_dtype)
 
 
 class TinyDecoder:
@@ -48,12 +57,14 @@ class TinyDecoder:
         # and measured a slower replayed decode step on an H200 (2026-11-30, same random
         # values): 3086 against 2624 µs at 16 running for the GPU-bound config, 296 against
         # 241 µs for the host-bound one (tests/bench/RESULTS.md, runs of 13:55 and 14:16).
+        dtype = cfg.torch_dtype
+
         def weight(*shape: int) -> torch.Tensor:
-            return (torch.randn(*shape, generator=gen) / math.sqrt(shape[0])).to(device)
+            return (torch.randn(*shape, generator=gen) / math.sqrt(shape[0])).to(device, dtype)
 
         h = cfg.hidden
-        self.embed = (torch.randn(cfg.vocab_size, h, generator=gen) * 0.5).to(device)
-        self.pos_embed = (torch.randn(cfg.max_context_len, h, generator=gen) * 0.1).to(device)
+        self.embed = (torch.randn(cfg.vocab_size, h, generator=gen) * 0.5).to(device, dtype)
+        self.pos_embed = (torch.randn(cfg.max_context_len, h, generator=gen) * 0.1).to(device, dtype)
         self.blocks = [
             {"qkv": weight(h, 3 * h), "o": weight(h, h), "up": weight(h, cfg.ffn), "down": weight(cfg.ffn, h)}
             for _ in range(cfg.layers)
@@ -92,7 +103,8 @@ class TinyDecoder:
             x = torch.addmm(x, attn.reshape(-1, cfg.hidden), w["o"])
             up = torch.nn.functional.gelu(torch.nn.functional.rms_norm(x, hidden, eps=1e-6) @ w["up"])
             x = torch.addmm(x, up, w["down"])
-        return torch.nn.functional.rms_norm(x[last_index], hidden, eps=1e-6) @ self.lm_head
+        logits = torch.nn.functional.rms_norm(x[last_index], hidden, eps=1e-6) @ self.lm_head
+        return logits if logits.dtype == torch.float32 else logits.float()
 
 
 class SleepModel:

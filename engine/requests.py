@@ -23,13 +23,25 @@ class Request:
     owned_from: int = 0  # KV slots [owned_from, seq_len) of the row are this request's to free
     done: bool = False
 
-    def accept(self, token: int) -> None:
-        if self.done:
-            return  # a token of the step launched before the finish was seen: discarded
-        self.output.append(token)
-        params = self.sampling_params
-        if len(self.output) >= params.max_new_tokens or token in params.stop_token_ids:
-            self.done = True
+
+
+def accept_all(reqs: list[Request], tokens: list[int]) -> bool:
+    """Append each request's new token; a request that reaches its limit or a stop token is done.
+
+    A token for a request already done (sampled by the step launched before its finish
+    was seen) is discarded. Returns whether a request finished with these tokens. One loop
+    over the batch with the attribute reads inlined: it runs every step, for every request.
+    """
+    any_done = False
+    for r, token in zip(reqs, tokens, strict=True):
+        if r.done:
+            continue
+        output = r.output
+        output.append(token)
+        params = r.sampling_params
+        if len(output) >= params.max_new_tokens or token in params.stop_token_ids:
+            r.done = any_done = True
+    return any_done
 
 
 @attrs.frozen
