@@ -8,8 +8,9 @@ are the same in every mode, so token streams can be compared across modes.
 
 Tokens never travel through the host between steps: ``tokens_by_row[row]`` holds each
 request's newest token on the device. A graph reads its input tokens from there and
-writes the sampled ones back (and into ``out_tokens``, which the loop reads back), and
-a prefill writes its requests' first tokens there too. Padding rows point at a reserved
+writes the sampled ones back (and into ``out_tokens``, which the loop reads back, or
+which ``land_tokens`` stores straight into the step's pinned slot), and a prefill writes
+its requests' first tokens there too. Padding rows point at a reserved
 request row and KV slot 0, so what they compute lands where no request reads.
 
 ``capture=False`` runs the same step as plain calls: the CPU path of the tests, and the
@@ -25,6 +26,7 @@ import torch
 
 from engine.model import KVCache, SleepModel, TinyDecoder
 from pinpool import PinnedRingBuffer, StaticField, StaticInputs
+from pinpool.landing import land
 from sampling import Sampler
 from sampling.static import SAMPLING_FIELDS, StaticSamplingInfo
 
@@ -36,19 +38,23 @@ DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 CHECK_STEPS = 1 << 16
 
 
-def step_fields(pad_row: int, check_steps: bool = False) -> tuple[StaticField, ...]:
+def step_fields(pad_row: int, check_steps: bool = False, land_tokens: bool = False) -> tuple[StaticField, ...]:
     """The block's fields: what one decode step needs per request, then its sampling parameters.
 
     ``check_steps`` adds ``step`` (the step's number in every live row), which each replay
     logs on the device: a replay that read another step's block logs the wrong number.
+    ``land_tokens`` adds ``token_dst``: the pinned address each row's sampled token is
+    stored at by the replay itself (``StaticStage.land``), 0 on padding rows.
     """
     check = (StaticField("step", torch.int64, pad=-1),) if check_steps else ()
+    landing = (StaticField("token_dst", torch.int64, pad=0),) if land_tokens else ()
     return (
         StaticField("rows", torch.int64, pad=pad_row),
         StaticField("positions", torch.int64, pad=0),
         StaticField("out_cache_loc", torch.int64, pad=0),
         *SAMPLING_FIELDS,
         *check,
+        *landing,
     )
 
 
@@ -76,6 +82,7 @@ class DecodeGraphs:
         sizes: Sequence[int] = DEFAULT_SIZES,
         extra_work: Callable[[], None] | None = None,
         check_steps: bool = False,
+        land_tokens: bool = False,
     ) -> None:
         self.model, self.req_to_token, self.cache = model, req_to_token, cache
         self.sizes = graph_sizes(max_rows, sizes)
@@ -85,8 +92,10 @@ class DecodeGraphs:
         self.capture = capture
         self.extra_work = extra_work
         device = req_to_token.device
-        self.block = StaticInputs(pool, step_fields(pad_row, check_steps), self.max_rows)
+        self.block = StaticInputs(pool, step_fields(pad_row, check_steps, land_tokens), self.max_rows)
         self.check_steps = check_steps
+        #: The replay stores each live row's token at the pinned address its step staged.
+        self.land_tokens = land_tokens
         #: check_steps: int64 [CHECK_STEPS]: at index s, the step number (and the first row's
         #: position) that the replay of step s read from the block; -1 where none ran.
         self.seen_steps = torch.full((CHECK_STEPS,), -1, dtype=torch.int64, device=req_to_token.device)
@@ -128,6 +137,8 @@ class DecodeGraphs:
         new_tokens = self._sampler(logits, info, positions)
         self.tokens_by_row[req_rows] = new_tokens  # padding rows all write the reserved row
         self.out_tokens[:rows].copy_(new_tokens)
+        if self.land_tokens:
+            land(self.out_tokens[:rows], views["token_dst"])  # straight into the step's slot: no read-back copy
         if self.check_steps:
             step = views["step"][:1].clamp(0, CHECK_STEPS - 1)  # padding-only capture: -1 -> 0
             self.seen_steps.index_copy_(0, step, views["step"][:1])

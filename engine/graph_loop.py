@@ -23,8 +23,10 @@ The modes differ only in how the static block gets its values:
   Nothing is uploaded in steady decode (the batch is uploaded when it changes);
 - ``pool``: the scheduler keeps the batch on the host (KV slots from a host free list,
   ``memcache.HostKVAllocator``, and the block's host image) and one ``StaticInputs``
-  stage lands every field, padding included, in ONE host-to-device copy; the tokens come
-  back into the same slot (``StaticStage.readback``). ``GraphConfig(upload_stream=
+  stage lands every field, padding included, in ONE host-to-device copy; the replay
+  stores its tokens straight into the same slot (``StaticStage.land``: no read-back
+  copy), or, where the platform refuses that, a read-back copies them there
+  (``StaticStage.readback``). ``GraphConfig(upload_stream=
   "schedule")`` puts that copy on the scheduler's stream instead, with the forward stream
   a registered reader of the block: the stream rules (README, rule 9) order them.
 """
@@ -46,6 +48,7 @@ from engine.requests import Request, accept_all
 from memcache import AllocationError, TokenToKVPoolAllocator
 from memcache.host_kv_allocator import HostKVAllocator
 from pinpool import StaticInputs, StaticStage
+from pinpool.readback import Landing
 from pinpool.transport import use_stream
 from sampling import SamplingBatchInfo
 from sampling.params import RECORD_DTYPE
@@ -73,6 +76,10 @@ class GraphConfig:
     #: pool mode: stage each step's number in the block; the replays log what they read
     #: (``DecodeGraphs.seen_steps``) and ``expected_positions`` says what they should have.
     check_steps: bool = False
+    #: pool mode: the replay stores its tokens straight into the step's pinned slot
+    #: (``StaticStage.land``), where the platform allows it; False, or a platform that
+    #: refuses kernels writing host memory: a device-to-host read-back copy.
+    land_tokens: bool = True
 
 
 class _HostBatch:
@@ -130,11 +137,17 @@ class GraphEngine(Engine):
     ) -> None:
         if mode not in GRAPH_MODES:
             raise ValueError(f"'mode' must be one of {', '.join(GRAPH_MODES)} (got {mode!r})")
-        super().__init__(model_cfg, "pool" if mode == "pool" else "pinned", device, cfg, model=model)
+        graph_cfg = graph_cfg or GraphConfig()
+        landing = mode == "pool" and graph_cfg.land_tokens
+        super().__init__(
+            model_cfg, "pool" if mode == "pool" else "pinned", device, cfg, model=model, zero_copy_pool=landing
+        )
         #: Host seconds per decode phase ("stage", "replay", "readback"), summed over steps.
         self.phases = StagingClock()
         self.graph_mode: GraphMode = mode
-        self.graph_cfg = graph_cfg or GraphConfig()
+        self.graph_cfg = graph_cfg
+        #: The replay writes its tokens into the step's slot (the pool passed its platform check).
+        self.land_tokens = landing and self.pool.can_land
         cuda = device.type == "cuda"
         # The scheduler's stream (uploads) and the forward stream (prefill, replays, reads).
         self.schedule_stream = torch.cuda.current_stream(device) if cuda else None
@@ -171,6 +184,7 @@ class GraphEngine(Engine):
             sizes=self.graph_cfg.sizes,
             extra_work=extra,
             check_steps=self.graph_cfg.check_steps and mode == "pool",
+            land_tokens=self.land_tokens,
         )
         #: check_steps: the first row's position each step staged, by step number - 1.
         self.expected_positions: list[int] = []
@@ -251,10 +265,11 @@ class GraphEngine(Engine):
         rows = self.graphs.padded(bs)
         mode = self.graph_mode
         exchange: StaticStage | None = None
+        landing: Landing | None = None
         with self.staging("decode.stage"), self.phases("stage"):
             if mode == "pool":
-                exchange = self._stage_pool(reqs, bs, rows)
-                if exchange.stream is not self.forward_stream:
+                exchange, landing = self._stage_pool(reqs, bs, rows)
+                if landing is None and exchange.stream is not self.forward_stream:
                     # Copied on the scheduler's stream: the tokens are read back on the
                     # forward stream, where the replay runs, by a read-back of their own.
                     exchange.close()
@@ -282,7 +297,10 @@ class GraphEngine(Engine):
                 self.times.gpu_events.append((start, end))
             with self.staging("decode.readback"), self.phases("readback"):
                 out = self.graphs.out_tokens[:bs]
-                if exchange is not None:
+                if landing is not None:
+                    # The replay stores the tokens in the slot; the close below fences them.
+                    pending = self.reader.wrap(landing)
+                elif exchange is not None:
                     pending = self.reader.wrap(exchange.readback(out))
                 elif mode == "pool":
                     pending = self.reader.wrap(self.pool.readback(out))
@@ -294,8 +312,12 @@ class GraphEngine(Engine):
             if exchange is not None:
                 exchange.close(ok=ok)
 
-    def _stage_pool(self, reqs: list[Request], bs: int, rows: int) -> StaticStage:
-        """Open this step's exchange and issue its one copy; the caller replays, reads back and closes."""
+    def _stage_pool(self, reqs: list[Request], bs: int, rows: int) -> tuple[StaticStage, Landing | None]:
+        """Open this step's exchange and issue its one copy; the caller replays, reads back and closes.
+
+        With ``land_tokens`` the copy also carries where each row's token goes in the
+        slot, and the returned ``Landing`` reads them once the exchange has closed.
+        """
         block = self.graphs.block
         batch = self._batch
         if batch is None:
@@ -308,8 +330,11 @@ class GraphEngine(Engine):
         except BaseException:
             self.kv.free(slots)  # nothing was staged: the step's KV slots go back
             raise
+        landing = None
         try:
             st.put_image(batch.image)  # every field, padding included: one memcpy
+            if self.land_tokens:
+                landing = st.land("token_dst")
             if self.graphs.check_steps:
                 st.put("step", np.full(bs, self.replays + 1, dtype=np.int64))
                 self.expected_positions.append(int(positions[0]))  # sync-ok: numpy on the host, no device
@@ -319,7 +344,7 @@ class GraphEngine(Engine):
             raise
         self.slot_of[batch.rows, positions] = slots
         positions += 1  # in the image: the next step's positions
-        return st
+        return st, landing
 
     def _stage_pinned(self, reqs: list[Request], bs: int, rows: int) -> None:
         fresh = self._batch is None

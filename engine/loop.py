@@ -64,14 +64,21 @@ class Engine:
         cfg: EngineConfig,
         *,
         model: TinyDecoder | SleepModel | None = None,
+        zero_copy_pool: bool = False,
     ) -> None:
-        """``model``: an already built model for ``model_cfg`` on ``device`` (a bench shares one across engines)."""
+        """``model``: an already built model for ``model_cfg`` on ``device`` (a bench shares one across engines).
+
+        ``zero_copy_pool``: create the pool with ``zero_copy=True`` (its platform check runs
+        once, here) so kernels may write its slots in place; the graph loop lands tokens so.
+        """
         self.cfg, self.model_cfg, self.mode, self.device = cfg, model_cfg, mode, device
         #: pool-zc: the decode exchange is a zero-copy stage (the platform check runs once, here).
         self.zero_copy = mode == "pool-zc"
         self.pooled = mode in POOL_MODES
         self.pool = PinnedRingBuffer(
-            PoolSettings.from_env(device=device, num_slots=8, slot_bytes=1 << 20, zero_copy=self.zero_copy)
+            PoolSettings.from_env(
+                device=device, num_slots=8, slot_bytes=1 << 20, zero_copy=self.zero_copy or zero_copy_pool
+            )
         )
         if self.zero_copy and not self.pool.platform.zero_copy_ok:
             self.pool.close()

@@ -24,7 +24,6 @@ class Request:
     done: bool = False
 
 
-
 def accept_all(reqs: list[Request], tokens: list[int]) -> bool:
     """Append each request's new token; a request that reaches its limit or a stop token is done.
 

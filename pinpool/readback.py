@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pinpool.exceptions import StaleLeaseError
+from pinpool.exceptions import PoolStateError, StaleLeaseError
 from pinpool.transport import Fence
 
 if TYPE_CHECKING:
@@ -69,3 +69,32 @@ class Readback:
             if not self._fence.query():
                 self._pool.wait_for_readback(self._fence)
             self._landed_seen = True
+
+
+class Landing(Readback):
+    """Values a kernel writes straight into a stage's slot (``StaticStage.land``), read after the slot's fence.
+
+    Nothing is copied: the kernel stores into the pinned slot through UVA. The fence that
+    covers it is recorded when the stage closes, so the handle is readable only after a
+    successful close; reading it before, or after an aborted stage, raises
+    ``PoolStateError``. Then it reads like a ``Readback`` (``values``, ``tolist``,
+    ``ready``), within ``num_slots - 1`` further claims of the pool.
+    """
+
+    __slots__ = ("armed",)
+
+    def __init__(self, pool: PinnedRingBuffer, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any]):
+        super().__init__(pool, slot, generation, fence, host)
+        #: Set by the stage's successful close, once the fence follows the writing kernel.
+        self.armed = False
+
+    def ready(self) -> bool:
+        return self.armed and super().ready()
+
+    def _landed(self) -> None:
+        if not self.armed:
+            raise PoolStateError(
+                f"landing of stage {self.generation} (slot {self.slot}) was read before its stage closed, or its "
+                "stage was aborted: the slot's fence follows the writing kernel only after a successful close"
+            )
+        super()._landed()

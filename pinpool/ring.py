@@ -274,6 +274,15 @@ class PinnedRingBuffer:
         """The generation of the claim that holds ``slot`` now (a lease is live while it matches)."""
         return self._slot_generation[slot]
 
+    def slot_fence(self, slot: int) -> Fence:
+        """The fence of ``slot``: recorded when its current claim closes (a ``Landing`` waits on it)."""
+        return self._fences[slot]
+
+    @property
+    def can_land(self) -> bool:
+        """Whether kernels may write the pinned slots in place: ``PoolSettings(zero_copy=True)``, check passed."""
+        return self._zero_copy_layouts is not None
+
     def retain(self, slot: int, objs: tuple[Any, ...]) -> None:
         """Keep ``objs`` alive until ``slot``'s next fence has passed (rule 5)."""
         self._retained[slot].extend(objs)

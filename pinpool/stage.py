@@ -56,6 +56,7 @@ class Stage:
         "_layout",
         "_open",
         "_pool",
+        "_tail",
         "copy_issued",
         "flushed",
         "generation",
@@ -92,6 +93,9 @@ class Stage:
         self._align = pool.settings.alignment
         self._cursor = 0
         self._end = 0
+        # Landings (``reserve_landing``) are claimed from the slot's end down, outside the
+        # copied bytes; puts, reservations and read-backs stop where they start.
+        self._tail = pool.settings.slot_bytes
         self._open = True
         self.flushed = False
         self.spilled = False
@@ -200,11 +204,35 @@ class Stage:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise StagingValueError(f"'{name}' nbytes must be an int >= 0 (got {nbytes!r})")
         start = self._cursor
-        if start + nbytes > self._capacity:
+        if start + nbytes > min(self._capacity, self._tail):
             raise CapacityError(self._capacity_message(nbytes, name))
         host: np.ndarray[Any, Any] = self._layout.host[torch.uint8][start : start + nbytes]
         self._commit_claim(nbytes, torch.uint8)
         return host
+
+    def reserve_landing(self, nbytes: int, *, name: str = "landing") -> tuple[int, np.ndarray[Any, Any]]:
+        """Claim ``nbytes`` of the slot's pinned memory for a kernel to write: (host address, uint8 view).
+
+        The bytes lie past everything the stage copies (claimed from the slot's end), so
+        this works before or after ``flush`` and never lengthens the copy. No copy fills
+        or reads them: a kernel stores into them through UVA (``pinpool.landing``), and
+        the slot's fence, recorded at close, must follow that kernel, so launch it before
+        close on the stage's stream. ``StaticStage.land`` builds on this.
+        """
+        if not self._open:
+            self._check_open()  # raises: closed
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise StagingValueError(f"'{name}' nbytes must be an int >= 0 (got {nbytes!r})")
+        align = self._align
+        start = (self._tail - nbytes) // align * align
+        if start < self._cursor:
+            raise CapacityError(
+                f"'{name}' needs {nbytes} bytes but the slot has {max(self._tail - self._cursor, 0)} left "
+                f"of {self._pool.settings.slot_bytes}; raise PoolSettings.slot_bytes"
+            )
+        self._tail = start
+        host: np.ndarray[Any, Any] = self._layout.host[torch.uint8][start : start + nbytes]
+        return self._layout.host_raw.data_ptr() + start, host
 
     def retain(self, *objs: Any) -> None:
         """Keep ``objs`` alive until this slot's fence has passed (rule 5).
@@ -239,6 +267,11 @@ class Stage:
             self.flush()
         align = self._align
         offset = (self._cursor + align - 1) // align * align
+        if offset + src.numel() * src.element_size() > self._tail:
+            raise CapacityError(
+                f"'src' needs {src.numel() * src.element_size()} bytes but the slot has {self._tail - offset} left "
+                "before its landings; raise PoolSettings.slot_bytes"
+            )
         # The fence is recorded after this copy (and so after the stage's upload and every
         # kernel launched before): the stage's exit need not record it again.
         handle = self._pool.copy_back(self.slot, self.generation, src, offset, self.stream)
@@ -272,7 +305,7 @@ class Stage:
     ) -> tuple[np.ndarray[Any, Any] | torch.Tensor | None, torch.Tensor]:
         itemsize = _ITEMSIZE[dtype]
         start = self._cursor
-        if start + numel * itemsize > self._capacity:
+        if start + numel * itemsize > min(self._capacity, self._tail):
             if self._pool.settings.overflow is OverflowPolicy.SPILL and src is not None:
                 device = self._pool.spill(self, src, dtype, numel, name)  # raises before queueing on bad values
                 self.spilled = self.copy_issued = True

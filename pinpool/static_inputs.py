@@ -37,7 +37,7 @@ import torch
 
 from pinpool.encode import NUMPY_DTYPE, as_source, write
 from pinpool.exceptions import PoolStateError, SettingsError, StagingTypeError, StagingValueError
-from pinpool.readback import Readback
+from pinpool.readback import Landing, Readback
 from pinpool.ring import PinnedRingBuffer
 from pinpool.slots import BoundedCache
 from pinpool.stage import Stage
@@ -255,6 +255,11 @@ class StaticInputs:
                 fence.record(reader)
                 transport.stream_wait(stream, fence)
 
+    def fence_after_readers(self, stream: Stream) -> None:
+        """Before a stage with landings records its fence on ``stream``: the readers' work (the kernel
+        that stores into the slot) must come first, so the fence follows it."""
+        self.wait_for_readers(stream)
+
     def record_stream(self, stream: Stream) -> None:
         """Declare a stream that touches the block outside stages and readers (device-to-device
         writes into ``views``, say), so its memory is not reused while that stream may use it."""
@@ -279,7 +284,18 @@ class StaticInputs:
 class StaticStage:
     """This step's values for a ``StaticInputs`` block: every field must be written before close."""
 
-    __slots__ = ("_block", "_host_raw", "_written", "flushed", "host_views", "live", "padded", "rows", "stage")
+    __slots__ = (
+        "_block",
+        "_host_raw",
+        "_landings",
+        "_written",
+        "flushed",
+        "host_views",
+        "live",
+        "padded",
+        "rows",
+        "stage",
+    )
 
     def __init__(
         self,
@@ -301,6 +317,7 @@ class StaticStage:
         self.padded = False
         #: True once the copy is issued (``flush``/``readback``): nothing more can be written.
         self.flushed = False
+        self._landings: list[Landing] = []
 
     def put_image(self, image: HostImage) -> None:
         """Write every field, padding included, from ``image`` in one memcpy.
@@ -383,6 +400,44 @@ class StaticStage:
         self._block.wait_for_readers(self.stage.stream)
         return self.stage.readback(src)
 
+    def land(self, name: str, dtype: torch.dtype = torch.int64) -> Landing:
+        """Have the replay write ``live`` values of ``dtype`` straight into this step's slot: no read-back copy.
+
+        ``name`` is an int64 field with pad 0 that the graph passes to
+        ``pinpool.landing.land`` as the addresses of its output. This writes, in that
+        field's live rows, the pinned host address each row's value goes to, so the
+        step's one copy carries them; padding rows keep 0 and store nothing. Call it
+        before ``flush``. Launch the replay before ``close``, on the stage's stream or a
+        registered reader: close makes the slot's fence follow the readers, and the
+        returned handle becomes readable then. Needs a pool whose kernels may write its
+        slots in place (``PoolSettings(zero_copy=True)``, platform check passed).
+        """
+        if self.flushed:
+            raise PoolStateError("land() must come before flush(): the addresses travel in the step's copy")
+        block = self._block
+        i = block.field_index(name)
+        f = block.fields[i]
+        if f.dtype != torch.int64 or f.pad != 0:
+            raise StagingValueError(
+                f"'name' must be an int64 field with pad 0 to hold landing addresses (got {name!r}: {f.dtype}, "
+                f"pad {f.pad!r})"
+            )
+        pool = block.pool
+        if not pool.can_land:
+            raise pool.platform.refusal(pool.device)  # PoolStateError / PlatformError, saying why
+        if dtype not in _LANDING_ITEMSIZE:
+            known = list(map(str, _LANDING_ITEMSIZE))
+            raise StagingTypeError(f"'dtype' of a landing must be one of {known} (got {dtype})")
+        itemsize = _LANDING_ITEMSIZE[dtype]
+        live = self.live
+        address, raw = self.stage.reserve_landing(live * itemsize, name=name)
+        self.host_views[i][:live] = _strides(live, itemsize) + address
+        self._written |= 1 << i
+        st = self.stage
+        handle = Landing(pool, st.slot, st.generation, pool.slot_fence(st.slot), raw.view(NUMPY_DTYPE[dtype]))
+        self._landings.append(handle)
+        return handle
+
     def _check_complete(self) -> None:
         block = self._block
         # With no live row every value is padding, which the stage writes itself.
@@ -400,7 +455,16 @@ class StaticStage:
             return
         if ok and not self.flushed:
             self._check_complete()  # raises, the stage aborted, when a field was not written
+        if self._landings and self.flushed:
+            # The landing kernel may run on a registered reader: the fence, recorded now on
+            # the stage's stream, must follow it. A read-back's fence came before it, so the
+            # close records the fence again (a later record only delays those handles).
+            self._block.fence_after_readers(self.stage.stream)
+            self.stage.read_back = False
         self._block.finish(self, ok)
+        if ok and self.flushed:
+            for handle in self._landings:
+                handle.armed = True
 
 
 class HostImage:
@@ -420,6 +484,18 @@ class HostImage:
             column = self.data[off : off + rows * _itemsize(f.dtype)].view(NUMPY_DTYPE[f.dtype])
             column[live:] = pad
             self.views[f.name] = column[:live]
+
+
+_LANDING_ITEMSIZE = {torch.int64: 8, torch.int32: 4, torch.float32: 4}
+_STRIDES: dict[tuple[int, int], np.ndarray[Any, Any]] = {}
+
+
+def _strides(live: int, itemsize: int) -> np.ndarray[Any, Any]:
+    """int64 [live]: each row's byte offset in a landing, cached (it is the same every step)."""
+    strides = _STRIDES.get((live, itemsize))
+    if strides is None:
+        strides = _STRIDES[(live, itemsize)] = np.arange(live, dtype=np.int64) * itemsize
+    return strides
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from engine.graph_bench import CONFIGS, _requests
 from engine.graph_loop import GraphConfig, GraphEngine
 from engine.loop import Engine, EngineConfig
-from engine.model import ModelConfig  # noqa: F401
+from engine.model import ModelConfig
 
 dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")  # cpu: a smoke run of the script
 
@@ -85,7 +85,11 @@ def kernel_tables() -> None:
             gpu_split(mc, bs)
             eng = _decoding(
                 GraphEngine(
-                    mc, "pool", dev, EngineConfig(max_running=bs, kv_slots=1 << 16), GraphConfig(capture=False, sizes=(bs,))
+                    mc,
+                    "pool",
+                    dev,
+                    EngineConfig(max_running=bs, kv_slots=1 << 16),
+                    GraphConfig(capture=False, sizes=(bs,)),
                 ),
                 bs,
                 mc,

@@ -1,8 +1,8 @@
 """CUDA-graph decode (engine.graph_loop) on the GPU: captured graphs sample the plain calls'
 tokens in every staging mode, the modes agree, pool mode stays correct when the host runs far
-ahead of a lagging device (block copy on either stream), the engine works with another device
-current, and a steady pool-mode decode step makes no host sync and exactly one host-to-device
-copy.
+ahead of a lagging device (block copy on either stream, tokens landed by the replay or read
+back), the engine works with another device current, and a steady pool-mode decode step makes
+no host sync, exactly one host-to-device copy, and no copy back when the replay lands its tokens.
 
 One workload (``WL``) serves the comparisons; its token streams per (mode, capture) on cuda:0
 are computed once (``tokens``) and shared between tests.
@@ -92,15 +92,19 @@ def test_every_graph_mode_samples_the_same_tokens() -> None:
 # -- pool mode with a lagging device --------------------------------------------------------
 
 
+@pytest.mark.parametrize("land_tokens", [True, False], ids=["landed", "read-back"])
 @pytest.mark.parametrize("upload_stream", ["schedule", "forward"])
-def test_pool_mode_under_lag_replays_exactly_the_step_it_staged(upload_stream: UploadStream) -> None:
+def test_pool_mode_under_lag_replays_exactly_the_step_it_staged(upload_stream: UploadStream, land_tokens: bool) -> None:
     """Catches a block copy that overtakes the replay still reading the previous step's block, or
     a replay that starts before its step's copy landed: with the host far ahead, either makes a
     replay log another step's number or position (and usually changes tokens). "schedule": the
     copy on the scheduler's stream, the forward stream a registered reader of the block;
-    "forward": copy and replays ordered by one stream."""
-    cfg = GraphConfig(lag_cycles=LAG, check_steps=True, upload_stream=upload_stream)
+    "forward": copy and replays ordered by one stream. "landed": the replay stores its tokens in
+    the step's slot, and a fence that did not follow the replay (on the forward stream, when the
+    stage's stream is the scheduler's) would let the host read a slot the replay has not written."""
+    cfg = GraphConfig(lag_cycles=LAG, check_steps=True, upload_stream=upload_stream, land_tokens=land_tokens)
     outputs, engine = run("pool", cfg)
+    assert engine.land_tokens == land_tokens
     readers = engine.graphs.block.readers
     if upload_stream == "schedule":
         assert engine.upload_stream is engine.schedule_stream
@@ -161,9 +165,11 @@ def test_engine_on_cuda1_runs_with_cuda0_current(mode: GraphMode) -> None:
 # -- the steady pool-mode decode step: no sync, one upload copy -----------------------------
 
 
-def steady_engine(running: int, new_tokens: int) -> tuple[GraphEngine, list[Request]]:
+def steady_engine(running: int, new_tokens: int, land_tokens: bool = True) -> tuple[GraphEngine, list[Request]]:
     """A pool-mode engine in steady decode: one prefill admitted everything, nobody stops early."""
-    engine = GraphEngine(CFG, "pool", DEV, EngineConfig(max_running=16, kv_slots=8192), GraphConfig())
+    cfg = GraphConfig(land_tokens=land_tokens)
+    engine = GraphEngine(CFG, "pool", DEV, EngineConfig(max_running=16, kv_slots=8192), cfg)
+    assert engine.land_tokens == land_tokens
     wl = Workload(num_requests=running, arrival_gap=0, new_tokens=(new_tokens, new_tokens), seed=3)
     reqs = make_requests(wl, CFG.vocab_size)
     for r in reqs:
@@ -176,7 +182,8 @@ def steady_engine(running: int, new_tokens: int) -> tuple[GraphEngine, list[Requ
     return engine, reqs
 
 
-def test_steady_pool_decode_step_makes_no_host_sync_and_no_pinned_allocation() -> None:
+@pytest.mark.parametrize("land_tokens", [True, False], ids=["landed", "read-back"])
+def test_steady_pool_decode_step_makes_no_host_sync_and_no_pinned_allocation(land_tokens: bool) -> None:
     """Catches a sync in the graph decode step (a blocking copy, an ``item()``, a stream or
     device synchronize in staging, replay, read-back or the host free list), or a pinned
     allocation per step.
@@ -188,7 +195,7 @@ def test_steady_pool_decode_step_makes_no_host_sync_and_no_pinned_allocation() -
     overlapped steady state); torch-visible syncs are still refused, and the token reads' event
     waits are counted and printed.
     """
-    engine, _ = steady_engine(running=10, new_tokens=60)
+    engine, _ = steady_engine(running=10, new_tokens=60, land_tokens=land_tokens)
     rows = engine.graphs.padded(10)
     assert rows == 12  # padded: the pads are part of the step
     previous = torch.cuda.get_sync_debug_mode()
@@ -215,7 +222,8 @@ def test_steady_pool_decode_step_makes_no_host_sync_and_no_pinned_allocation() -
     print(f"back to back: 12 decode steps, {waits} token reads waited on their event ({rows} padded rows)")
     assert waits <= 12  # at most the one read per step
     assert stats2.stalls == stats0.stalls, "the ring never waits: the host is at most one step ahead"
-    assert stats2.copies - stats0.copies == 18 and stats2.readbacks - stats0.readbacks == 18
+    assert stats2.copies - stats0.copies == 18
+    assert stats2.readbacks - stats0.readbacks == (0 if land_tokens else 18)
     assert len(engine.running) == 10
     torch.cuda.synchronize()
     assert torch.cuda.host_memory_stats()["num_host_alloc"] == host_allocs0
@@ -223,11 +231,14 @@ def test_steady_pool_decode_step_makes_no_host_sync_and_no_pinned_allocation() -
         engine.step()
 
 
-def test_steady_pool_decode_step_is_one_host_to_device_copy() -> None:
+@pytest.mark.parametrize("land_tokens", [True, False], ids=["landed", "read-back"])
+def test_steady_pool_decode_step_is_one_host_to_device_copy(land_tokens: bool) -> None:
     """Catches a decode step that uploads more than the block (a per-field copy, a padding fill
     from the host, a sampling-info stage) or reads back more than its tokens: per step exactly one
-    cudaMemcpyAsync up (the block) and one back (the tokens), and one HtoD copy on the device."""
-    engine, _ = steady_engine(running=10, new_tokens=40)
+    cudaMemcpyAsync up (the block), and one HtoD copy on the device; with the tokens landed by the
+    replay no copy back at all, else one cudaMemcpyAsync and one DtoH copy."""
+    engine, _ = steady_engine(running=10, new_tokens=40, land_tokens=land_tokens)
+    back = 0 if land_tokens else 1
     steps = 8
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -240,9 +251,9 @@ def test_steady_pool_decode_step_is_one_host_to_device_copy() -> None:
     print(f"runtime memcpy calls over {steps} steps: {dict(calls)}")
     print(f"HtoD events matched ({len(htod)}): {sorted(Counter(htod).items())}")
     print(f"DtoH events matched ({len(dtoh)}): {sorted(Counter(dtoh).items())}")
-    assert sum(n for name, n in calls.items() if name.startswith("cudaMemcpyAsync")) == 2 * steps
-    assert sum(calls.values()) == 2 * steps  # no other memcpy call (cudaMemcpy: a blocking one)
+    assert sum(n for name, n in calls.items() if name.startswith("cudaMemcpyAsync")) == (1 + back) * steps
+    assert sum(calls.values()) == (1 + back) * steps  # no other memcpy call (cudaMemcpy: a blocking one)
     assert len(htod) == steps, "exactly one host-to-device copy per decode step: the block"
-    assert len(dtoh) == steps, "exactly one device-to-host copy per decode step: the tokens"
+    assert len(dtoh) == back * steps, "device-to-host copies per decode step: the tokens' read-back, or none"
     while engine.busy:
         engine.step()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -177,11 +178,14 @@ def test_a_decode_step_lands_live_rows_then_padding_in_the_padded_views(mode: Gr
 # -- pool mode: one copy per step, and everything comes back --------------------------------
 
 
-def test_pool_mode_decode_step_is_one_block_copy_and_one_token_readback() -> None:
+@pytest.mark.parametrize("land_tokens", [True, False], ids=["landed", "read-back"])
+def test_pool_mode_decode_step_is_one_block_copy_and_its_tokens_come_back_in_the_same_slot(land_tokens: bool) -> None:
     """Catches a pool-mode decode step that issues more than the block's one host-to-device copy
-    (a per-field upload, a sampling-info stage, a free list on the device) or more than the one
-    read-back of its tokens, including steps where requests finish and are freed."""
-    engine = graph_engine("pool")
+    (a per-field upload, a sampling-info stage, a free list on the device), a read-back copy when
+    the replay lands its tokens in the slot itself, more than one read-back when it does not, or a
+    second claim of the ring; including steps where requests finish and are freed."""
+    engine = graph_engine("pool", attrs.evolve(PLAIN, land_tokens=land_tokens))
+    assert engine.land_tokens == land_tokens  # the host path passes the platform check
     pool, block = engine.pool, engine.graphs.block
     engine.submit(make_requests(workload(2), CFG.vocab_size))
     decodes = freeing = 0
@@ -199,9 +203,10 @@ def test_pool_mode_decode_step_is_one_block_copy_and_one_token_readback() -> Non
         assert after.copies - before.copies == 1
         assert after.stages - before.stages == 1 and after.owned_stages - before.owned_stages == 1
         assert after.bytes_copied - before.bytes_copied == block.nbytes(engine.graphs.padded(bs))
-        # ... and the tokens' read-back into the same slot (StaticStage.readback): one claim of the ring.
-        assert after.readbacks - before.readbacks == 1
-        assert after.bytes_read_back - before.bytes_read_back == 8 * bs
+        # ... and the tokens in the same slot: stored there by the replay (StaticStage.land), or
+        # one read-back copy (StaticStage.readback); one claim of the ring either way.
+        assert after.readbacks - before.readbacks == (0 if land_tokens else 1)
+        assert after.bytes_read_back - before.bytes_read_back == (0 if land_tokens else 8 * bs)
         assert claims == 1
         assert after.overflows == before.overflows and after.aborted_stages == before.aborted_stages
     assert decodes > 20 and freeing > 2, (decodes, freeing)

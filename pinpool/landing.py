@@ -1,0 +1,102 @@
+"""``land``: a kernel writes its output straight into a ring slot's pinned memory (zero-copy read-back).
+
+A graph replay's outputs (the sampled tokens) normally come back by a device-to-host copy
+queued after the replay: one more CUDA call a step. ``StaticStage.land`` instead stages,
+in the step's one copy, the pinned host address each live row's value should go to, and
+the graph's last kernel (``land``, captured with it) stores each value there over the
+bus. Padding rows carry address 0 and store nothing. The addresses are read on the
+device when the kernel runs, so one captured graph writes into whichever slot the step
+staged: the ring's rotation and fences work as for a copy.
+
+The slot's fence, recorded when the stage closes, follows the kernel (it must be launched
+before close, on the stage's stream or on a registered reader); the host reads the values
+after that fence, through the ``Landing`` handle.
+
+Needs host memory the device can write at the host's address (UVA pinned memory): a pool
+created with ``PoolSettings(zero_copy=True)`` whose platform check passed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pinpool.exceptions import DeviceMismatchError, StagingTypeError, StagingValueError
+
+#: The dtypes a landing carries (what a decode step reads back: token ids, flags, scores).
+LANDING_DTYPES = (torch.int64, torch.int32, torch.float32)
+BLOCK = 256
+
+
+@triton.jit(do_not_specialize=["n"])
+def _land_kernel(values_ptr, addr_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    addr = tl.load(addr_ptr + offs, mask=inside, other=0)
+    values = tl.load(values_ptr + offs, mask=inside)
+    # Each lane's own destination: the staged host address of its row (0 on padding rows).
+    dst = addr.to(tl.pointer_type(values_ptr.dtype.element_ty))
+    tl.store(dst, values, mask=inside & (addr != 0))
+
+
+def land(values: torch.Tensor, addresses: torch.Tensor) -> None:
+    """Store ``values[i]`` at host address ``addresses[i]`` for each i whose address is not 0.
+
+    ``values``: contiguous 1-D, a ``LANDING_DTYPES`` dtype; ``addresses``: contiguous 1-D
+    int64 of the same length on the same device (a ``StaticInputs`` field a landing
+    wrote). On CUDA tensors one kernel on the current stream (capturable); on CPU tensors
+    the reference (``land_reference``), or the kernel under ``TRITON_INTERPRET=1``.
+    """
+    _check(values, addresses)
+    n = values.numel()
+    if n == 0:
+        return
+    if values.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        device = values.device
+        # Triton launches on the current device's stream: run under the tensors' device.
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                _land_kernel[(triton.cdiv(n, BLOCK),)](values, addresses, n, BLOCK=BLOCK)
+            return
+        _land_kernel[(triton.cdiv(n, BLOCK),)](values, addresses, n, BLOCK=BLOCK)
+        return
+    land_reference(values, addresses)
+
+
+def land_reference(values: torch.Tensor, addresses: torch.Tensor) -> None:
+    """The kernel's oracle on CPU tensors: one store per row with a non-zero address."""
+    _check(values, addresses)
+    if values.device.type != "cpu":
+        raise DeviceMismatchError(f"'values' of land_reference must be CPU tensors (got {values.device})")
+    itemsize = values.element_size()
+    base = values.data_ptr()
+    for i, addr in enumerate(addresses.tolist()):  # sync-ok: CPU tensor, no device
+        if addr:
+            ctypes.memmove(addr, base + i * itemsize, itemsize)
+
+
+def _check(values: torch.Tensor, addresses: torch.Tensor) -> None:
+    if not isinstance(values, torch.Tensor) or values.dtype not in LANDING_DTYPES:
+        raise StagingTypeError(
+            f"'values' must be a tensor of {[str(d) for d in LANDING_DTYPES]} "
+            f"(got {getattr(values, 'dtype', type(values).__name__)})"
+        )
+    if not isinstance(addresses, torch.Tensor) or addresses.dtype != torch.int64:
+        raise StagingTypeError(
+            f"'addresses' must be an int64 tensor (got {getattr(addresses, 'dtype', type(addresses).__name__)})"
+        )
+    if values.dim() != 1 or addresses.dim() != 1 or values.shape != addresses.shape:
+        raise StagingValueError(
+            f"'values' and 'addresses' must be 1-D of one length (got {tuple(values.shape)} and "
+            f"{tuple(addresses.shape)})"
+        )
+    if not (values.is_contiguous() and addresses.is_contiguous()):
+        raise StagingValueError("'values' and 'addresses' must be contiguous")
+    if values.device != addresses.device:
+        raise DeviceMismatchError(
+            f"'values' and 'addresses' must be on one device (got {values.device} and {addresses.device})"
+        )

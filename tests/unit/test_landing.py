@@ -1,0 +1,260 @@
+"""Landings: a kernel stores a step's outputs straight into the step's ring slot (``StaticStage.land``).
+
+Three parts:
+- ``pinpool.landing.land`` (the kernel, under the Triton interpreter here, and its torch
+  reference): each value at its address, padding rows (address 0) untouched, typed
+  errors that write nothing;
+- ``StaticStage.land`` on the plain CPU path: the addresses travel in the step's one copy,
+  no read-back copy, the handle readable only after a successful close;
+- the stream rules against the stream-aware simulator (``LaggingGpu``): a random plan of
+  stage streams, registered replay streams, current stream and device changes, lag and
+  frozen bursts must read every step's own landed values. The controls plant the two
+  bugs the rules exist for (a writer on an unregistered stream; a close whose fence does
+  not wait for the replay streams) and must be caught.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+
+from pinpool import (
+    CapacityError,
+    PinnedRingBuffer,
+    PoolSettings,
+    PoolStateError,
+    StagingTypeError,
+    StagingValueError,
+    StaticField,
+    StaticInputs,
+)
+from pinpool.landing import land, land_reference
+from pinpool.readback import Landing
+from pinpool.simulated import LaggingGpu, SimStream
+from pinpool.transport import Stream
+
+FIELDS = (StaticField("x", torch.int64, pad=-1), StaticField("dst", torch.int64, pad=0))
+MAX_ROWS = 16
+SLOT_BYTES = 1024
+
+
+def cpu_block(num_slots: int = 2, zero_copy: bool = True) -> tuple[PinnedRingBuffer, StaticInputs]:
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=num_slots, slot_bytes=SLOT_BYTES, zero_copy=zero_copy))
+    return pool, StaticInputs(pool, FIELDS, max_rows=MAX_ROWS)
+
+
+# -- the kernel and its reference ---------------------------------------------------------
+@pytest.mark.parametrize("fn", [land, land_reference], ids=["kernel", "reference"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32])
+def test_land_stores_each_value_at_its_address_and_nothing_where_the_address_is_zero(
+    fn: object, dtype: torch.dtype
+) -> None:
+    """Catches a store to the wrong row, a store through a padding row's 0, or a dtype width mix-up."""
+    target = torch.full((9,), -7, dtype=dtype)
+    size = target.element_size()
+    keep = [i % 3 != 1 for i in range(9)]
+    addresses = torch.tensor([target.data_ptr() + size * (8 - i) if k else 0 for i, k in enumerate(keep)])
+    values = (torch.arange(9) * 11 + 3).to(dtype)
+    fn(values, addresses)  # type: ignore[operator]
+    want = [float(values[8 - j]) if keep[8 - j] else -7.0 for j in range(9)]  # row i lands at index 8 - i
+    assert target.tolist() == want
+
+
+@pytest.mark.parametrize(
+    ("values", "addresses", "error"),
+    [
+        (torch.zeros(4, dtype=torch.int16), torch.zeros(4, dtype=torch.int64), StagingTypeError),
+        (torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int32), StagingTypeError),
+        (torch.zeros(4, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), StagingValueError),
+        (torch.zeros(4, 2, dtype=torch.int64)[:, 0], torch.zeros(4, dtype=torch.int64), StagingValueError),
+        (torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64), StagingValueError),
+    ],
+    ids=["values-dtype", "addresses-dtype", "lengths", "strided", "2-D"],
+)
+def test_land_refuses_bad_input_by_name_and_stores_nothing(
+    values: torch.Tensor, addresses: torch.Tensor, error: type[Exception]
+) -> None:
+    """Catches a launcher that stores through addresses it has not validated."""
+    for fn in (land, land_reference):
+        with pytest.raises(error, match=r"'values'|'addresses'"):
+            fn(values, addresses)
+
+
+# -- StaticStage.land on the CPU path -------------------------------------------------------
+def test_a_landed_step_is_one_copy_no_read_back_and_reads_after_close() -> None:
+    """Catches addresses left out of the copy, a read-back copy issued anyway, a landing inside the
+    copied bytes, padding rows that would store, or a handle readable before its fence follows the kernel."""
+    pool, block = cpu_block()
+    rows, live = 8, 5
+    st = block.stage(rows, live)
+    st.put("x", np.arange(live, dtype=np.int64))
+    handle = st.land("dst")
+    assert isinstance(handle, Landing) and not handle.ready()
+    with pytest.raises(PoolStateError, match="before its stage closed"):
+        handle.tolist()
+    st.flush()
+    views = block.views(rows)
+    dst = views["dst"].tolist()
+    assert all(a != 0 for a in dst[:live]) and dst[live:] == [0] * (rows - live)
+    assert [b - a for a, b in itertools.pairwise(dst[:live])] == [8] * (live - 1)
+    land(torch.arange(rows, dtype=torch.int64) * 10 + 1, views["dst"])  # the "replay"
+    st.close()
+    assert handle.tolist() == [1, 11, 21, 31, 41]
+    stats = pool.stats()
+    assert stats.copies == 1 and stats.readbacks == 0 and stats.bytes_copied == block.nbytes(rows)
+
+
+def test_land_errors_are_typed_and_leave_the_stage_usable_or_aborted() -> None:
+    """Catches a landing accepted after the copy was issued, on a field that cannot hold addresses,
+    on a pool whose kernels may not write its slots, or read after its stage was aborted."""
+    _, block = cpu_block()
+    with block.stage(4, 2) as st:
+        st.put("x", [1, 2])
+        with pytest.raises(StagingValueError, match="'name' must be an int64 field with pad 0"):
+            st.land("x")
+        with pytest.raises(StagingTypeError, match="'dtype' of a landing"):
+            st.land("dst", torch.int16)
+        st.land("dst")
+        st.flush()
+        with pytest.raises(PoolStateError, match="before flush"):
+            st.land("dst")
+    with pytest.raises(RuntimeError, match="boom"), block.stage(4, 2) as st:
+        st.put("x", [1, 2])
+        aborted = st.land("dst")
+        st.flush()
+        raise RuntimeError("boom")
+    with pytest.raises(PoolStateError, match="aborted"):
+        aborted.tolist()
+    _, plain = cpu_block(zero_copy=False)
+    with pytest.raises(PoolStateError, match="zero_copy"), plain.stage(4, 2) as st:
+        st.put("x", [1, 2])
+        st.land("dst")
+
+
+def test_a_read_back_in_a_landed_stage_stops_before_the_landing() -> None:
+    """Catches a read-back copied over the bytes a kernel lands in."""
+    pool, block = cpu_block()
+    st = block.stage(16, 16)
+    st.put("x", np.arange(16, dtype=np.int64))
+    handle = st.land("dst")
+    st.flush()
+    views = block.views(16)
+    land(torch.arange(16, dtype=torch.int64) + 500, views["dst"])
+    room = SLOT_BYTES - 16 * 8 - block.nbytes(16)
+    with pytest.raises(CapacityError, match="before its landings"):
+        st.readback(torch.zeros(room // 8 + 2, dtype=torch.int64))
+    other = st.readback(torch.arange(4, dtype=torch.int64) + 900)
+    st.close()
+    assert handle.tolist() == list(range(500, 516)) and other.tolist() == [900, 901, 902, 903]
+    assert pool.stats().readbacks == 1
+
+
+# -- the stream rules, in the simulator -----------------------------------------------------
+class NoFenceAfterReaders(StaticInputs):
+    """Planted: a landed stage's fence does not wait for the replay streams."""
+
+    def fence_after_readers(self, stream: Stream) -> None:
+        return None
+
+
+def run_landing_plan(
+    seed: int, block_type: type[StaticInputs] = StaticInputs, unregistered_writer: bool = False, steps: int = 30
+) -> list[str]:
+    """One random plan: each step stages, lands, "replays" (a queued kernel that reads the staged
+    addresses when it runs and stores the step's values there) and closes; handles are read up to
+    num_slots - 1 claims later. Returns every wrong read."""
+    rng = random.Random(seed)
+    gpu = LaggingGpu(max_lag=rng.randint(0, 40), seed=seed, devices=2)
+    streams: list[SimStream] = [gpu.current_stream(0)]
+    streams += [gpu.new_stream(f"s{i}") for i in range(1, rng.randint(2, 3) + 1)]
+    other_device = [gpu.current_stream(1), gpu.new_stream("dev1:side", device_index=1)]
+    num_slots = rng.randint(2, 5)
+    pool = PinnedRingBuffer(
+        PoolSettings(device="cpu", num_slots=num_slots, slot_bytes=SLOT_BYTES, zero_copy=True), transport=gpu
+    )
+    gpu.set_current(rng.choice(streams))
+    block = block_type(pool, FIELDS, max_rows=MAX_ROWS)
+    readers = rng.sample(streams, rng.randint(1, 2))
+    for reader in readers:
+        block.register_reader(reader)
+    stray = gpu.new_stream("unregistered")
+    wrong: list[str] = []
+    waiting: deque[tuple[Landing, list[int], int]] = deque()
+
+    def read_one() -> None:
+        handle, want, step = waiting.popleft()
+        got = handle.tolist()
+        if got != want:
+            wrong.append(f"seed {seed} step {step}: read {got[:4]}, expected {want[:4]}")
+
+    slab_lo = pool.host_slab.data_ptr()
+    slab_hi = slab_lo + pool.host_slab.numel()
+
+    def replay(values: torch.Tensor, dst_view: torch.Tensor, step: int) -> None:
+        addresses = dst_view.clone()
+        outside = [a for a in addresses.tolist() if a and not slab_lo <= a < slab_hi]
+        if outside:  # read before its step's copy landed: bytes of another layout, not addresses
+            wrong.append(f"seed {seed} step {step}: the replay read non-addresses {outside[:2]}")
+            return
+        land_reference(values, addresses)
+
+    for step in range(steps):
+        gpu.current_device = rng.choice([0, 1])
+        gpu.set_current(rng.choice(streams))
+        gpu.set_current(rng.choice(other_device))
+        if rng.random() < 0.15:
+            gpu.frozen = not gpu.frozen
+        rows = rng.randint(1, MAX_ROWS)
+        live = rng.randint(1, rows)
+        stage_stream = rng.choice([*streams, None])
+        with block.stage(rows, live, stream=stage_stream) as st:
+            st.put("x", np.full(live, step, dtype=np.int64))
+            handle = st.land("dst")
+            st.flush()
+            writer = stray if unregistered_writer else rng.choice([st.stream, *readers])
+            dst_view = block.views(rows)["dst"]
+            values = torch.arange(rows, dtype=torch.int64) + 1000 * (step + 1)
+            # The replay's last kernel: it reads the staged addresses when it runs, as the graph does.
+            gpu.submit(writer, lambda v=values, d=dst_view, s=step: replay(v, d, s), "kernel")
+            gpu.set_current(rng.choice(streams))  # the current stream at close need not be the stage's
+        waiting.append((handle, values[:live].tolist(), step))
+        # Read the oldest handles, never more than num_slots - 1 claims old (the lifetime rule).
+        while waiting and (len(waiting) >= num_slots or rng.random() < 0.4):
+            read_one()
+    while waiting:
+        read_one()
+    gpu.frozen = False
+    gpu.drain()
+    assert gpu.errors == [], gpu.errors[:3]  # nothing queued on the other device's streams
+    return wrong
+
+
+PLAN_SEEDS = range(60)
+
+
+def test_any_mix_of_stage_streams_and_replay_streams_reads_every_steps_own_landed_values() -> None:
+    """Catches a landing read before its kernel ran or after a later step reused the slot."""
+    for seed in PLAN_SEEDS:
+        wrong = run_landing_plan(seed)
+        assert wrong == [], wrong[:3]
+
+
+@pytest.mark.parametrize(
+    ("planted", "unregistered", "least"),
+    [
+        pytest.param(StaticInputs, True, 0.8, id="writer-on-an-unregistered-stream"),
+        pytest.param(NoFenceAfterReaders, False, 0.7, id="close-fence-does-not-wait-for-replays"),
+    ],
+)
+def test_control_the_same_plans_with_the_guard_planted_away_read_wrong_values(
+    planted: type[StaticInputs], unregistered: bool, least: float
+) -> None:
+    """Catches a property test too weak to see the landing's fence rule: planted away, it must fail."""
+    caught = sum(bool(run_landing_plan(seed, planted, unregistered)) for seed in PLAN_SEEDS)
+    print(f"{planted.__name__} unregistered={unregistered}: caught in {caught} of {len(PLAN_SEEDS)} seeds")
+    assert caught >= least * len(PLAN_SEEDS), f"caught in only {caught} of {len(PLAN_SEEDS)} seeds"
