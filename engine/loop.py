@@ -23,6 +23,7 @@ from engine.requests import Request, accept_all
 from engine.uploader import POOL_MODES, Mode, Uploader
 from memcache import ReqToTokenPool, TokenToKVPoolAllocator, allocate_extend, write_cache_indices
 from pinpool import PinnedRingBuffer, PoolSettings, Stage
+from pinpool.readback import Landing
 from sampling import Sampler, SamplingBatchInfo
 
 
@@ -40,6 +41,9 @@ class EngineConfig:
     #: added on top of the model's own kernels. 0 = none.
     gpu_work_us: float = 0.0
     sleep_cycles_per_us: float = 1980.0  # measured by bench before use; ~SM clock in MHz
+    #: Pool modes: the sampler stores each decode step's tokens straight into the step's
+    #: pinned slot (``Stage.land``) instead of a read-back copy, where the platform allows.
+    land_tokens: bool = True
 
 
 @attrs.define
@@ -75,11 +79,14 @@ class Engine:
         #: pool-zc: the decode exchange is a zero-copy stage (the platform check runs once, here).
         self.zero_copy = mode == "pool-zc"
         self.pooled = mode in POOL_MODES
+        landing = self.pooled and cfg.land_tokens
         self.pool = PinnedRingBuffer(
             PoolSettings.from_env(
-                device=device, num_slots=8, slot_bytes=1 << 20, zero_copy=self.zero_copy or zero_copy_pool
+                device=device, num_slots=8, slot_bytes=1 << 20, zero_copy=self.zero_copy or zero_copy_pool or landing
             )
         )
+        #: The decode step's tokens land in its slot (the pool passed its platform check).
+        self.land_tokens = landing and self.pool.can_land
         if self.zero_copy and not self.pool.platform.zero_copy_ok:
             self.pool.close()
             raise self.pool.platform.refusal(device)  # PlatformError saying why; the copy modes still work
@@ -250,6 +257,8 @@ class Engine:
         # the clock is for what the modes do differently (moving them to the GPU).
         rows, positions = [r.row for r in reqs], [r.seq_len for r in reqs]
         exchange: Stage | None = None
+        land_to: torch.Tensor | None = None
+        landing: Landing | None = None
         ok = False
         # The exchange is opened inside the try: a failure anywhere after it (a put, a
         # kernel launch) still closes it, and a flushed copy still gets its fence.
@@ -257,21 +266,28 @@ class Engine:
             with self.staging("decode.upload"):
                 if self.pooled:
                     # One slot for the step, both ways: the metadata up now, the tokens back
-                    # after the sampler, one fence (Stage.readback). pool-zc: a zero-copy
+                    # after the sampler, one fence (stored there by the sampler itself,
+                    # Stage.land, or else a Stage.readback copy). pool-zc: a zero-copy
                     # stage, so flush() issues nothing and the kernels _launch_decode queues
                     # (the req_to_token write, the forward, the sampler) read rows and
                     # positions in the pinned slot; they are launched before the read-back
                     # and the close, so the slot's fence, recorded at close, follows them.
                     exchange = self.pool.stage(zero_copy=self.zero_copy)
                     rows_d, positions_d = exchange.put(rows, torch.int64), exchange.put(positions, torch.int64)
+                    if self.land_tokens:
+                        # Where the sampler stores each token in this slot: no read-back copy.
+                        land_to, landing = exchange.land(bs)
                     exchange.flush()
                 else:
                     rows_d, positions_d = self.uploader.upload("step", [(rows, torch.int64), (positions, torch.int64)])
-            self._launch_decode(reqs, bs, rows_d, positions_d, out_cache_loc)
+            self._launch_decode(reqs, bs, rows_d, positions_d, out_cache_loc, land_to)
             assert self.last_tokens is not None
             with self.staging("decode.readback"):
                 if exchange is None:
                     pending = self.reader.start(self.last_tokens)
+                elif landing is not None:
+                    exchange.close()  # the fence, after the sampler that stored the tokens
+                    pending = self.reader.wrap(landing)
                 else:
                     handle = exchange.readback(self.last_tokens)
                     exchange.close()
@@ -289,6 +305,7 @@ class Engine:
         rows_d: torch.Tensor,
         positions_d: torch.Tensor,
         out_cache_loc: torch.Tensor,
+        land_to: torch.Tensor | None = None,
     ) -> None:
         max_len = max(r.seq_len for r in reqs) + 1
         for r in reqs:
@@ -310,7 +327,7 @@ class Engine:
             self.cache,
             max_len,
         )
-        self.last_tokens = self.sampler(logits, self.info, positions_d)
+        self.last_tokens = self.sampler(logits, self.info, positions_d, land_to=land_to)
         if self.record_gpu:
             end.record()
             self.times.gpu_events.append((start, end))

@@ -336,7 +336,11 @@ class PinnedRingBuffer:
         counters.stages += 1
         if st.used_bytes == 0 and not st.copy_issued:
             return  # nothing in flight: the slot is free for the next claim as it is
-        if not st.read_back:
+        if st.landings:
+            # Kernels store into the slot (``Stage.land``), on the stage's stream or a
+            # registered consumer: the fence follows them all, as a zero-copy stage's does.
+            self._fence_readers(st)
+        elif not st.read_back:
             # Rule 1, on the stage's fixed stream: wherever the stage is closed, the fence
             # follows its copy. (After a stage read-back the fence is already recorded
             # after every copy of the stage.)

@@ -20,6 +20,7 @@ import torch
 
 from pinpool.encode import NUMPY_DTYPE, as_source, check_dtype, pack_list, write, write_list
 from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
+from pinpool.readback import Landing
 from pinpool.settings import OverflowPolicy
 from pinpool.slots import SlotLayout
 from pinpool.transport import Stream
@@ -30,6 +31,19 @@ if TYPE_CHECKING:
 
 _ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in [*NUMPY_DTYPE, torch.bfloat16]}
 _NUMPY_ITEMSIZE = {d: _ITEMSIZE[d] for d in NUMPY_DTYPE}
+#: What a landing carries (``pinpool.landing.LANDING_DTYPES``), with each one's size.
+LANDING_ITEMSIZE = {torch.int64: 8, torch.int32: 4, torch.float32: 4}
+_OFFSETS: dict[tuple[int, int], np.ndarray[Any, Any]] = {}
+
+
+def landing_offsets(numel: int, itemsize: int) -> np.ndarray[Any, Any]:
+    """int64 [numel]: each value's byte offset in a landing, cached (the same every step)."""
+    offsets = _OFFSETS.get((numel, itemsize))
+    if offsets is None:
+        offsets = _OFFSETS[(numel, itemsize)] = np.arange(numel, dtype=np.int64) * itemsize
+    return offsets
+
+
 _NESTED = (list, tuple, np.ndarray)
 
 
@@ -53,6 +67,7 @@ class Stage:
         "_capacity",
         "_cursor",
         "_end",
+        "_landings",
         "_layout",
         "_open",
         "_pool",
@@ -96,6 +111,8 @@ class Stage:
         # Landings (``reserve_landing``) are claimed from the slot's end down, outside the
         # copied bytes; puts, reservations and read-backs stop where they start.
         self._tail = pool.settings.slot_bytes
+        #: Landing handles of this stage (``land``), made readable by a successful close.
+        self._landings: list[Landing] = []
         self._open = True
         self.flushed = False
         self.spilled = False
@@ -117,6 +134,18 @@ class Stage:
         if self._open:
             self._open = False
             self._pool.finish_stage(self, ok)
+            if ok and self._landings:
+                self.arm_landings()
+
+    @property
+    def landings(self) -> bool:
+        """True when kernels store into this stage's slot (``land``): its fence then follows the consumers."""
+        return bool(self._landings)
+
+    def arm_landings(self) -> None:
+        """After a successful close: the slot's fence follows the writing kernels, so the handles may read."""
+        for handle in self._landings:
+            handle.armed = True
 
     # -- staging -----------------------------------------------------------------------
     @property
@@ -233,6 +262,40 @@ class Stage:
         self._tail = start
         host: np.ndarray[Any, Any] = self._layout.host[torch.uint8][start : start + nbytes]
         return self._layout.host_raw.data_ptr() + start, host
+
+    def land(
+        self, numel: int, dtype: torch.dtype = torch.int64, *, name: str = "landing"
+    ) -> tuple[torch.Tensor, Landing]:
+        """Have a kernel store ``numel`` values straight into this slot: (device addresses, handle).
+
+        Reserves the values' bytes in the slot (``reserve_landing``) and puts, in the
+        stage's copy, the pinned host address of each one: pass the returned int64 device
+        view to the kernel that writes them (``pinpool.landing.land``, or the sampler's
+        ``land_to``). Call it before ``flush``; launch that kernel before close, on the
+        stage's stream or a registered consumer stream (close fences after both). The
+        handle reads the values after a successful close, within ``num_slots - 1``
+        further claims. Needs ``pool.can_land`` (``PoolSettings(zero_copy=True)``).
+        """
+        pool = self._pool
+        if not pool.can_land:
+            raise pool.platform.refusal(pool.device)  # PoolStateError / PlatformError, saying why
+        itemsize = LANDING_ITEMSIZE.get(dtype)
+        if itemsize is None:
+            known = list(map(str, LANDING_ITEMSIZE))
+            raise StagingTypeError(f"'dtype' of a landing must be one of {known} (got {dtype})")
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise StagingValueError(f"'{name}' numel must be an int >= 0 (got {numel!r})")
+        self._check_open()
+        tail = self._tail
+        address, raw = self.reserve_landing(numel * itemsize, name=name)
+        try:
+            addresses = self.put(landing_offsets(numel, itemsize) + address, torch.int64, name=name)
+        except BaseException:
+            self._tail = tail  # the put did not fit: the landing's bytes go back
+            raise
+        handle = Landing(pool, self.slot, self.generation, pool.slot_fence(self.slot), raw.view(NUMPY_DTYPE[dtype]))
+        self._landings.append(handle)
+        return addresses, handle
 
     def retain(self, *objs: Any) -> None:
         """Keep ``objs`` alive until this slot's fence has passed (rule 5).

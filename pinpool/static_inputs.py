@@ -40,7 +40,7 @@ from pinpool.exceptions import PoolStateError, SettingsError, StagingTypeError, 
 from pinpool.readback import Landing, Readback
 from pinpool.ring import PinnedRingBuffer
 from pinpool.slots import BoundedCache
-from pinpool.stage import Stage
+from pinpool.stage import LANDING_ITEMSIZE, Stage, landing_offsets
 from pinpool.transport import Fence, Stream
 
 #: Each field's first byte is aligned to this, whatever the dtypes around it.
@@ -425,13 +425,13 @@ class StaticStage:
         pool = block.pool
         if not pool.can_land:
             raise pool.platform.refusal(pool.device)  # PoolStateError / PlatformError, saying why
-        if dtype not in _LANDING_ITEMSIZE:
-            known = list(map(str, _LANDING_ITEMSIZE))
+        if dtype not in LANDING_ITEMSIZE:
+            known = list(map(str, LANDING_ITEMSIZE))
             raise StagingTypeError(f"'dtype' of a landing must be one of {known} (got {dtype})")
-        itemsize = _LANDING_ITEMSIZE[dtype]
+        itemsize = LANDING_ITEMSIZE[dtype]
         live = self.live
         address, raw = self.stage.reserve_landing(live * itemsize, name=name)
-        self.host_views[i][:live] = _strides(live, itemsize) + address
+        self.host_views[i][:live] = landing_offsets(live, itemsize) + address
         self._written |= 1 << i
         st = self.stage
         handle = Landing(pool, st.slot, st.generation, pool.slot_fence(st.slot), raw.view(NUMPY_DTYPE[dtype]))
@@ -484,18 +484,6 @@ class HostImage:
             column = self.data[off : off + rows * _itemsize(f.dtype)].view(NUMPY_DTYPE[f.dtype])
             column[live:] = pad
             self.views[f.name] = column[:live]
-
-
-_LANDING_ITEMSIZE = {torch.int64: 8, torch.int32: 4, torch.float32: 4}
-_STRIDES: dict[tuple[int, int], np.ndarray[Any, Any]] = {}
-
-
-def _strides(live: int, itemsize: int) -> np.ndarray[Any, Any]:
-    """int64 [live]: each row's byte offset in a landing, cached (it is the same every step)."""
-    strides = _STRIDES.get((live, itemsize))
-    if strides is None:
-        strides = _STRIDES[(live, itemsize)] = np.arange(live, dtype=np.int64) * itemsize
-    return strides
 
 
 def _itemsize(dtype: torch.dtype) -> int:

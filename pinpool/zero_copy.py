@@ -53,6 +53,8 @@ class ZeroCopyStage(Stage):
         if self._open:
             self._open = False
             self._pool.finish_zero_copy(self, ok)
+            if ok and self._landings:
+                self.arm_landings()
 
     def flush(self) -> None:
         """End the puts. Nothing is copied: kernels may read the views from the moment ``put`` returns."""

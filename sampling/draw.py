@@ -159,6 +159,7 @@ def _draw_sorted_kernel(
     seed_ptr,  # int64 [bs], stride seed_stride
     pos_ptr,  # int64 [bs], stride pos_stride
     out_ptr,  # int64 [bs]
+    land_ptr,  # int64 [bs]: pinned host address each row's token is also stored at (0: none); LAND only
     vocab,
     top_p_stride,
     top_k_stride,
@@ -168,6 +169,7 @@ def _draw_sorted_kernel(
     TOP_P: tl.constexpr,
     TOP_K: tl.constexpr,
     MIN_P: tl.constexpr,
+    LAND: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -211,12 +213,25 @@ def _draw_sorted_kernel(
         best_score = tl.where(better, block_best, best_score)
         start += BLOCK
     tl.store(out_ptr + row, best_token)
+    if LAND:
+        # A landing (``pinpool.Stage.land``): the token also goes straight into the step's
+        # pinned slot, so no device-to-host copy is queued after the sampler.
+        addr = tl.load(land_ptr + row)
+        tl.store(addr.to(tl.pointer_type(tl.int64)), best_token, mask=addr != 0)
 
 
 def launch_draw_sorted(
-    probs_sort: torch.Tensor, probs_idx: torch.Tensor, info: SamplingTensors, positions: torch.Tensor
+    probs_sort: torch.Tensor,
+    probs_idx: torch.Tensor,
+    info: SamplingTensors,
+    positions: torch.Tensor,
+    land_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Validate shapes, dtypes, devices and contiguity, then launch one program per request."""
+    """Validate shapes, dtypes, devices and contiguity, then launch one program per request.
+
+    ``land_to``: int64 [bs] pinned host addresses (``pinpool.Stage.land``) where each row's
+    token is stored as well, by the same kernel.
+    """
     if probs_sort.dtype != torch.float32 or probs_sort.dim() != 2 or not probs_sort.is_contiguous():
         raise BatchMismatchError(
             f"'probs_sort' must be contiguous float32 [bs, vocab] (got {probs_sort.dtype} {tuple(probs_sort.shape)})"
@@ -229,13 +244,17 @@ def launch_draw_sorted(
         )
     if info.sampling_seed is None:
         raise BatchMismatchError("'info.sampling_seed' must be set for the deterministic draw (got None)")
-    rows = (
+    rows: tuple[tuple[str, torch.Tensor, torch.dtype], ...] = (
         ("info.top_ps", info.top_ps, torch.float32),
         ("info.top_ks", info.top_ks, torch.int32),
         ("info.min_ps", info.min_ps, torch.float32),
         ("info.sampling_seed", info.sampling_seed, torch.int64),
         ("positions", positions, torch.int64),
     )
+    if land_to is not None:
+        rows += (("land_to", land_to, torch.int64),)
+        if not land_to.is_contiguous():
+            raise BatchMismatchError("'land_to' must be contiguous")
     for name, t, dtype in rows:
         if t.dtype != dtype or t.shape != (bs,) or t.device != probs_sort.device:
             raise BatchMismatchError(
@@ -246,7 +265,7 @@ def launch_draw_sorted(
     if bs == 0:
         return out
     with on_device(probs_sort.device):
-        _launch_draw(probs_sort, probs_idx, info, positions, out, bs, vocab)
+        _launch_draw(probs_sort, probs_idx, info, positions, out, bs, vocab, land_to)
     return out
 
 
@@ -258,6 +277,7 @@ def _launch_draw(
     out: torch.Tensor,
     bs: int,
     vocab: int,
+    land_to: torch.Tensor | None = None,
 ) -> None:
     assert info.sampling_seed is not None  # checked by launch_draw_sorted
     _draw_sorted_kernel[(bs,)](
@@ -269,6 +289,7 @@ def _launch_draw(
         info.sampling_seed,
         positions,
         out,
+        out if land_to is None else land_to,  # never read without LAND
         vocab,
         info.top_ps.stride(0),
         info.top_ks.stride(0),
@@ -278,5 +299,6 @@ def _launch_draw(
         TOP_P=info.need_top_p_sampling,
         TOP_K=info.need_top_k_sampling,
         MIN_P=info.need_min_p_sampling,
+        LAND=land_to is not None,
         BLOCK=BLOCK,
     )

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from pinpool.landing import land
 from sampling.batch_info import SamplingBatchInfo
 from sampling.draw import draw_reference, filter_sorted_probs, launch_draw_sorted
 from sampling.exceptions import BatchMismatchError
@@ -55,9 +56,20 @@ class Sampler:
         self.use_kernel = use_kernel
 
     def __call__(
-        self, logits: torch.Tensor, info: SamplingTensors, positions: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        info: SamplingTensors,
+        positions: torch.Tensor | None = None,
+        *,
+        land_to: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """int64 [bs] token ids. ``positions`` (int64 [bs]) is required when ``info.deterministic``."""
+        """int64 [bs] token ids. ``positions`` (int64 [bs]) is required when ``info.deterministic``.
+
+        ``land_to``: int64 [bs] pinned host addresses from a stage's landing
+        (``pinpool.Stage.land``): each token is also stored there, so the caller reads it
+        after the stage's fence with no read-back copy. The draw kernel stores it itself;
+        the other paths launch ``pinpool.landing.land`` after the draw.
+        """
         bs = len(info)
         if logits.dim() != 2 or logits.shape != (bs, info.vocab_size):
             raise BatchMismatchError(f"'logits' must be shape ({bs}, {info.vocab_size}) (got {tuple(logits.shape)})")
@@ -75,15 +87,21 @@ class Sampler:
         else:
             logits = logits.float()
         if info.is_all_greedy:
-            return logits.argmax(dim=-1)
+            return _landed(logits.argmax(dim=-1), land_to)
         probs = torch.softmax(logits / info.temperatures, dim=-1)
         if info.sampling_seed is not None:
             assert positions is not None
             probs_sort, probs_idx = probs.sort(dim=-1, descending=True, stable=True)
             if probs.is_cuda and self.use_kernel:
-                return launch_draw_sorted(probs_sort, probs_idx, info, positions)
-            return draw_reference(probs_sort, probs_idx, info, positions)
+                return launch_draw_sorted(probs_sort, probs_idx, info, positions, land_to)
+            return _landed(draw_reference(probs_sort, probs_idx, info, positions), land_to)
         probs_sort, probs_idx = filter_sorted_probs(probs, info)
         race = torch.empty_like(probs_sort).exponential_(generator=self.generator)
         rank = (probs_sort / race).argmax(dim=-1, keepdim=True)
-        return probs_idx.gather(1, rank).squeeze(1)
+        return _landed(probs_idx.gather(1, rank).squeeze(1), land_to)
+
+
+def _landed(tokens: torch.Tensor, land_to: torch.Tensor | None) -> torch.Tensor:
+    if land_to is not None:
+        land(tokens, land_to)  # validates land_to against the tokens (typed errors)
+    return tokens

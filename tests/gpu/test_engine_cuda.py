@@ -22,29 +22,37 @@ def test_every_mode_identical_token_streams_on_gpu() -> None:
     in-place rows and positions included."""
     wl = Workload(num_requests=40, arrival_gap=0.5, seed=11)
     modes = [m for m in MODES if m != "pool-zc" or ZERO_COPY_REFUSAL is None]
-    streams = {}
+    streams: dict[str, dict[int, list[int]]] = {}
     for mode in modes:
         engine = Engine(CFG, mode, DEV, EngineConfig(max_running=16))
+        assert engine.land_tokens == (mode in ("pool", "pool-zc")), "pool modes land their tokens by default"
         streams[mode] = engine.run(make_requests(wl, CFG.vocab_size))
-    assert all(streams[m] == streams["sync"] for m in modes)
+    for mode in ("pool", "pool-zc"):  # the read-back copy instead of the sampler's landing
+        if mode in modes:
+            engine = Engine(CFG, mode, DEV, EngineConfig(max_running=16, land_tokens=False))
+            streams[f"{mode} read-back"] = engine.run(make_requests(wl, CFG.vocab_size))
+    assert all(tokens == streams["sync"] for tokens in streams.values())
 
 
+@pytest.mark.parametrize("land_tokens", [True, False], ids=["landed", "read-back"])
 @pytest.mark.parametrize("mode", ["pool", "pool-zc"])
-def test_pool_decode_steps_make_no_host_sync_and_read_only_landed_tokens(mode: str) -> None:
+def test_pool_decode_steps_make_no_host_sync_and_read_only_landed_tokens(mode: str, land_tokens: bool) -> None:
     """Catches a sync in the decode step, or a token read that waits on the GPU (pool-zc: also a
-    zero-copy exchange that issues an upload copy)."""
+    zero-copy exchange that issues an upload copy; landed: also a read-back copy queued anyway)."""
     if mode == "pool-zc" and ZERO_COPY_REFUSAL is not None:
         pytest.skip(f"zero-copy refused on this host: {ZERO_COPY_REFUSAL}")
-    engine = Engine(CFG, mode, DEV, EngineConfig(max_running=16))  # type: ignore[arg-type]
+    engine = Engine(CFG, mode, DEV, EngineConfig(max_running=16, land_tokens=land_tokens))  # type: ignore[arg-type]
+    assert engine.land_tokens == land_tokens
     engine.submit(make_requests(Workload(num_requests=16, arrival_gap=0, new_tokens=(10, 30), seed=3), CFG.vocab_size))
     while engine.step() != "decode" or engine.iteration < 6:
         pass
     torch.cuda.synchronize()
-    zero_copy_before = engine.pool.stats().zero_copy_stages
+    zero_copy_before, readbacks_before = engine.pool.stats().zero_copy_stages, engine.pool.stats().readbacks
     with no_sync():  # a blocking read raises here: Event.synchronize is refused inside
         for _ in range(12):
             assert engine.step() == "decode"
     assert engine.pool.stats().readback_waits == 0
+    assert engine.pool.stats().readbacks - readbacks_before == (0 if land_tokens else 12)
     assert engine.pool.stats().zero_copy_stages - zero_copy_before == (12 if mode == "pool-zc" else 0)
     assert len(engine.running) < 16, "requests must leave during the window, so filtering ran under no_sync"
     while engine.busy:

@@ -136,3 +136,46 @@ def test_landing_with_another_device_current(pool_index: int, current_index: int
                     land(values, block.views(ROWS)["dst"])
             assert torch.cuda.current_device() == current_index
             assert handle.tolist() == values[:live].tolist()
+
+
+def run_stage_landings(register: bool, steps: int = 60) -> list[str]:
+    """Plain stages (``Stage.land``, the eager loop's path): the landing kernel on a side stream
+    behind lag, registered as a consumer or not. Returns every wrong read."""
+    dev = torch.device("cuda", 0)
+    rng = random.Random(11)
+    pool = PinnedRingBuffer(PoolSettings(device=dev, num_slots=NUM_SLOTS, slot_bytes=4096, zero_copy=True))
+    side = torch.cuda.Stream(dev)
+    if register:
+        pool.register_consumer_stream(side)
+    wrong: list[str] = []
+    waiting: deque[tuple[Landing, list[int], int]] = deque()
+    for step in range(steps):
+        n = rng.randint(1, ROWS)
+        values = torch.arange(n, device=dev) + 1000 * step
+        with pool.stage() as st:
+            addresses, handle = st.land(n)
+            st.flush()
+            side.wait_stream(torch.cuda.current_stream(dev))  # the addresses' copy first
+            with use_stream(side):
+                torch.cuda._sleep(rng.randrange(LAG))
+                land(values, addresses)
+        waiting.append((handle, values.tolist(), step))
+        while waiting and (len(waiting) >= NUM_SLOTS - 1 or rng.random() < 0.5):
+            got_handle, want, at = waiting.popleft()
+            if got_handle.tolist() != want:
+                wrong.append(f"step {at}")
+    torch.cuda.synchronize(dev)
+    return wrong
+
+
+def test_plain_stage_landings_on_a_registered_consumer_read_their_own_values() -> None:
+    """Catches a plain stage's fence that does not follow a landing kernel on a registered consumer stream."""
+    wrong = run_stage_landings(register=True)
+    assert wrong == [], wrong[:3]
+
+
+def test_control_plain_stage_landings_on_an_unregistered_stream_read_wrong_values() -> None:
+    """The same steps with the side stream unregistered: the fence does not cover it, and it must show."""
+    wrong = run_stage_landings(register=False)
+    print(f"unregistered: {len(wrong)} wrong reads of 60")
+    assert len(wrong) >= 10, wrong[:3]

@@ -11,6 +11,7 @@ import torch
 from pinpool import PinnedRingBuffer, PoolSettings
 from sampling import BatchMismatchError, SamplingBatchInfo, SamplingParams, draw_reference, launch_draw_sorted
 from sampling.draw import BLOCK
+from sampling.sampler import _landed
 from tests.fakes import Batch, Req
 
 
@@ -72,6 +73,27 @@ def test_kernel_depends_on_seed_and_position() -> None:
     idx = torch.arange(500).view(1, 500)
     tokens = {launch_draw_sorted(probs, idx, info, torch.tensor([pos])).item() for pos in range(20)}
     assert len(tokens) > 10
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["draw-kernel", "reference-then-land"])
+def test_land_to_stores_each_rows_token_at_its_address_and_skips_zero(use_kernel: bool) -> None:
+    """Catches a landing that stores another row's token, writes through a padding row's 0, or
+    changes the returned tokens (the kernel's LAND path and the sampler's land-after-draw path)."""
+    rng = random.Random(4)
+    info = batch(rng, 5, 300, "pkm")
+    probs_sort, probs_idx = sorted_probs(info, seed=2)
+    positions = torch.tensor([rng.randrange(4096) for _ in range(5)], dtype=torch.int64)
+    want = draw_reference(probs_sort, probs_idx, info, positions)
+    host = torch.full((5,), -1, dtype=torch.int64)
+    land_to = torch.tensor([0 if i == 2 else host.data_ptr() + 8 * i for i in range(5)], dtype=torch.int64)
+    if use_kernel:
+        got = launch_draw_sorted(probs_sort, probs_idx, info, positions, land_to)
+    else:
+        got = _landed(draw_reference(probs_sort, probs_idx, info, positions), land_to)
+    assert got.tolist() == want.tolist()
+    assert host.tolist() == [t if i != 2 else -1 for i, t in enumerate(want.tolist())]
+    with pytest.raises(BatchMismatchError, match=r"'land_to' must be torch\.int64"):
+        launch_draw_sorted(probs_sort, probs_idx, info, positions, land_to[:4])
 
 
 def test_launcher_refuses_bad_inputs_naming_them() -> None:

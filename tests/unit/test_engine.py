@@ -29,21 +29,29 @@ def test_every_mode_gives_identical_token_streams() -> None:
     assert sum(len(v) for v in streams["pool"].values()) > 14
 
 
-def test_pool_zc_decodes_through_zero_copy_exchanges_and_matches_sync_token_for_token() -> None:
-    """Catches pool-zc falling back to copy exchanges, or its in-place rows/positions (and the
-    in-stage token read-back) giving other tokens than sync mode, across prefills, filters
-    and shared prefixes."""
+@pytest.mark.parametrize("mode", ["pool", "pool-zc"])
+@pytest.mark.parametrize("land_tokens", [True, False], ids=["landed", "read-back"])
+def test_pool_modes_decode_through_their_exchanges_and_match_sync_token_for_token(mode: str, land_tokens: bool) -> None:
+    """Catches pool-zc falling back to copy exchanges, a landed decode step that still queues a
+    read-back copy (or a read-back step that queues none), or in-place rows/positions, landed
+    tokens or the in-stage read-back giving other tokens than sync mode, across prefills,
+    filters and shared prefixes."""
     wl = Workload(num_requests=16, arrival_gap=0.6, shared_prefixes=2, shared_len=6, seed=9)
     want, _ = run("sync", wl, max_running=5)
-    engine = Engine(CFG, "pool-zc", CPU, EngineConfig(max_running=5, kv_slots=2048))
+    engine = Engine(CFG, mode, CPU, EngineConfig(max_running=5, kv_slots=2048, land_tokens=land_tokens))  # type: ignore[arg-type]
+    assert engine.land_tokens == land_tokens  # the host path passes the platform check
     engine.submit(make_requests(wl, CFG.vocab_size))
-    decodes = 0
+    kinds = []
     while engine.busy:
-        decodes += engine.step() == "decode"
+        kinds.append(engine.step())
+    decodes, prefills = kinds.count("decode"), kinds.count("prefill")
     assert engine.finished_outputs == want
     stats = engine.pool.stats()
-    assert decodes > 20 and stats.zero_copy_stages == decodes  # one zero-copy exchange per decode step
-    assert stats.readbacks >= decodes  # each decode's tokens came back through its exchange's slot
+    assert decodes > 20
+    assert stats.zero_copy_stages == (decodes if mode == "pool-zc" else 0)  # one zero-copy exchange per decode step
+    # Each decode's tokens come back through its exchange's slot: stored there by the sampler
+    # (no read-back), or copied by a read-back; each prefill's by a read-back of its own.
+    assert stats.readbacks == prefills + (0 if land_tokens else decodes)
 
 
 def test_pool_zc_is_refused_at_creation_where_the_platform_refused(monkeypatch: pytest.MonkeyPatch) -> None:
