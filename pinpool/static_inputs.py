@@ -116,6 +116,10 @@ class StaticInputs:
         self._seen_streams: list[Stream] = [alloc_stream]
         self._device_views: dict[int, dict[str, torch.Tensor]] = {}
         self._host_views: BoundedCache[tuple[int, int], list[np.ndarray[Any, Any]]] = BoundedCache()
+        #: (host address, live, dtype) -> (each row's address, the landing's typed host view).
+        self.landing_views: BoundedCache[
+            tuple[int, int, torch.dtype], tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]
+        ] = BoundedCache()
         self._open: StaticStage | None = None
 
     # -- layout ------------------------------------------------------------------------
@@ -174,8 +178,13 @@ class StaticInputs:
 
         The stream is fixed now (rule 2): the one passed, or the pool device's current one.
         """
-        self._check_rows(rows)
-        if isinstance(live, bool) or not isinstance(live, int) or not 0 <= live <= rows:
+        # type() is int: a bool (an int subclass) is refused as it should be, and the
+        # common case costs two comparisons.
+        if type(rows) is not int or not 1 <= rows <= self.max_rows:
+            self._check_rows(rows)
+        if (type(live) is not int or not 0 <= live <= rows) and (
+            isinstance(live, bool) or not isinstance(live, int) or not 0 <= live <= rows
+        ):
             raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
         if self._open is not None:
             raise PoolStateError("a StaticInputs stage is already open: close it before opening the next")
@@ -249,6 +258,8 @@ class StaticInputs:
 
     def wait_for_readers(self, stream: Stream) -> None:
         """Make ``stream`` wait, on the device, for the work queued so far on every other reader."""
+        if not self._readers:
+            return
         transport = self._transport
         for reader, fence in zip(self._readers, self._read_fences, strict=True):
             if not transport.same_stream(reader, stream):
@@ -269,7 +280,8 @@ class StaticInputs:
         # torch's caching allocator frees a block for reuse by its allocation stream only:
         # a block also used on other streams is recorded there, so teardown cannot hand
         # it out while a copy or a replay queued on them may still touch it.
-        if any(self._transport.same_stream(s, stream) for s in self._seen_streams):
+        seen = self._seen_streams
+        if stream is seen[-1] or any(self._transport.same_stream(s, stream) for s in seen):
             return
         self._seen_streams.append(stream)
         block = self.device_block
@@ -429,12 +441,20 @@ class StaticStage:
             known = list(map(str, LANDING_ITEMSIZE))
             raise StagingTypeError(f"'dtype' of a landing must be one of {known} (got {dtype})")
         itemsize = LANDING_ITEMSIZE[dtype]
-        live = self.live
-        address, raw = self.stage.reserve_landing(live * itemsize, name=name)
-        self.host_views[i][:live] = landing_offsets(live, itemsize) + address
+        live, st = self.live, self.stage
+        address, raw = st.reserve_landing(live * itemsize, name=name)
+        # A step repeats (slot, address, live, dtype): the address column and the typed
+        # view are built once and kept, as the block's host views are.
+        key = (address, live, dtype)
+        hit = block.landing_views.get(key)
+        if hit is None:
+            hit = block.landing_views.put(
+                key, (landing_offsets(live, itemsize) + address, raw.view(NUMPY_DTYPE[dtype]))
+            )
+        addresses, values = hit
+        self.host_views[i][:live] = addresses
         self._written |= 1 << i
-        st = self.stage
-        handle = Landing(pool, st.slot, st.generation, pool.slot_fence(st.slot), raw.view(NUMPY_DTYPE[dtype]))
+        handle = Landing(pool, st.slot, st.generation, pool.slot_fence(st.slot), values)
         self._landings.append(handle)
         return handle
 

@@ -102,6 +102,84 @@ def kernel_tables() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
+def _median_us(fn: Callable[[], object], n: int = 200) -> float:
+    import statistics
+    import time
+
+    times = []
+    for _ in range(n):
+        _sync()
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e6)
+    _sync()
+    return statistics.median(times)
+
+
+def replay_costs() -> None:
+    """Host µs of one replay per padded size (device idle before each), its graph's node count,
+    and the host µs of each piece of the pool mode's stage, read-back and close."""
+    import os
+    import tempfile
+
+    from pinpool.transport import use_stream
+
+    hb = CONFIGS["host-bound"]
+    for bs in (1, 4, 16, 64):
+        eng = GraphEngine(hb, "pool", dev, EngineConfig(max_running=bs, kv_slots=1 << 16), GraphConfig(sizes=(bs,)))
+        rows = eng.graphs.padded(bs)
+        nodes = -1
+        if dev.type == "cuda":
+            graph = eng.graphs._graphs[rows]
+            with use_stream(eng.forward_stream):
+                replay_us = _median_us(graph.replay)
+            g2 = torch.cuda.CUDAGraph()
+            g2.enable_debug_mode()
+            s = eng.forward_stream
+            with torch.cuda.graph(g2, stream=s):
+                eng.graphs.body(rows)
+            path = os.path.join(tempfile.mkdtemp(), "g.dot")
+            g2.debug_dump(path)
+            text = open(path).read() if os.path.exists(path) else ""  # noqa: SIM115
+            nodes = sum(1 for line in text.splitlines() if "label=" in line and "->" not in line)
+            kinds: dict[str, int] = {}
+            for word in ("KERNEL", "MEMSET", "MEMCPY", "HOST", "GRAPH", "EVENT"):
+                kinds[word] = text.count(f"{word}\\n") + text.count(f'"{word}')
+            print(f"bs {bs}: replay host {replay_us:.1f} us, graph nodes ~{nodes} {kinds}", flush=True)
+        eng.submit(_requests(hb, bs, 100))
+        while eng.step() != "decode":
+            pass
+        for _ in range(3):
+            eng.step()
+        reqs = eng.running
+        block = eng.graphs.block
+        batch = eng._batch
+        pieces: dict[str, list[float]] = {}
+        import time
+
+        with use_stream(eng.forward_stream):
+            for _ in range(100):
+                _sync()
+                t0 = time.perf_counter()
+                st = block.stage(rows, bs, stream=eng.upload_stream)
+                t1 = time.perf_counter()
+                st.put_image(batch.image)
+                t2 = time.perf_counter()
+                landing = st.land("token_dst") if eng.land_tokens else None
+                t3 = time.perf_counter()
+                st.flush()
+                t4 = time.perf_counter()
+                st.close()
+                t5 = time.perf_counter()
+                for k, v in zip(("stage", "put_image", "land", "flush", "close"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                    pieces.setdefault(k, []).append(v * 1e6)
+                assert landing is None or landing.armed
+        import statistics
+
+        print(f"bs {bs} pieces (median us):", {k: round(statistics.median(v), 1) for k, v in pieces.items()}, flush=True)
+        del reqs
+
+
 if __name__ == "__main__":
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     what = sys.argv[1:] or ["kernels", "host"]  # read before kernel_tables clears argv
@@ -109,3 +187,5 @@ if __name__ == "__main__":
         kernel_tables()
     if "host" in what:
         host_tables()
+    if "replay" in what:
+        replay_costs()
