@@ -6,15 +6,16 @@ start offsets into ``out_cache_loc`` and the prefix tensors' tagged addresses) t
 lands in one copy from the pool, and the kernel reads it from there.
 
 Two ways to the same metadata, chosen by batch size (measured on the CPU machine):
-- up to ``SMALL_BATCH`` requests given as lists, one plain-Python pass checks every rule
-  and builds the metadata as a list: numpy's fixed cost (about 1 µs an operation, some
-  twenty operations) is most of a small call. It decides only "all valid"; anything
-  else goes the vectorised way, which raises the one error message for each rule.
+- up to ``SMALL_BATCH`` requests given as lists: ``struct`` makes them exact unsigned
+  ints, the other rules are C-level builtins over those (``max``, ``set``, ``map``), and
+  the metadata is built as the bytes staged. numpy's fixed cost (0.5-1 µs an operation,
+  some 25 operations) would be most of such a call. It decides only "all valid";
+  anything else goes the vectorised way, which raises the one error message for each rule.
 - otherwise the checks are vectorised: int lists are packed by ``struct`` straight into
-  one int64 table (13 against 30 ns a value for ``array.array``), the length rules are
-  numpy masks.
-Either way, each prefix tensor's attribute checks run once per tensor object
-(``memcache.prefix_check``), kept on each tensor.
+  one int64 table (9 against 30 ns a value for ``array.array``), and the length rules
+  take a few numpy calls (unsigned maxima, one comparison, a count of rows).
+Either way, each prefix tensor's full check runs once per tensor object and is kept on
+it (``memcache.prefix_check``); a later call re-reads its address and dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import array
 import os
 import struct
 from collections.abc import Sequence
+from itertools import accumulate, compress
+from operator import add
 from typing import Any, Literal
 
 import numpy as np
@@ -31,16 +34,18 @@ import torch
 from memcache.exceptions import CacheIndexError
 from memcache.prefix_check import checked_prefixes
 from memcache.req_to_token import ReqToTokenPool
-from memcache.write_kernel import META_ROWS, launch_write_req_to_token, write_req_to_token_reference
+from memcache.write_kernel import META_ROWS, check_req_to_token, launch_checked, write_req_to_token_reference
 from pinpool import PinnedRingBuffer
 
 Backend = Literal["auto", "triton", "torch"]
 IntsLike = Sequence[int] | np.ndarray[Any, Any]
-#: Batches up to this size go through the plain-Python pass (it costs about 0.3 µs a
-#: request; the vectorised checks cost about 20 µs whatever the size, on the CPU machine;
-#: at 64 the plain pass measured 8% cheaper there, at 128 10% dearer).
+#: Batches up to this size go through the plain-Python pass (about 0.35 µs a request
+#: against 0.22 for the vectorised way, which costs 10-15 µs more whatever the size, on
+#: the CPU machine: at 64 the plain pass measured 12% cheaper there, at 128 11% dearer).
 SMALL_BATCH = 64
 _NAMES = ("req_pool_indices", "prefix_lens", "seq_lens", "extend_lens")
+_max = np.maximum.reduce
+_any = np.logical_or.reduce
 
 
 def _ints(name: str, values: IntsLike | torch.Tensor, bs: int) -> np.ndarray[Any, Any]:
@@ -106,40 +111,44 @@ def write_cache_indices(
     bs = len(prefix_tensors)
     small = None
     if bs <= SMALL_BATCH:
-        small = _small_batch_meta(lengths, bs, out_cache_loc, prefix_tensors, req_to_token_pool)
-    meta_list, kept = (
+        small = _small_batch_packed(lengths, bs, out_cache_loc, prefix_tensors, req_to_token_pool)
+    meta_src, kept = (
         small if small is not None else _batch_meta(lengths, bs, out_cache_loc, prefix_tensors, req_to_token_pool)
     )
     chosen = _resolve_backend(backend, device)
     if chosen == "torch":
-        flat = meta_list if isinstance(meta_list, list) else meta_list.tolist()  # sync-ok: numpy host array
+        table = np.frombuffer(meta_src, np.int64) if isinstance(meta_src, bytes) else meta_src
+        flat = table.tolist()  # sync-ok: numpy host array
         rows_l, prefix_l, seq_l, starts_l = (flat[k * bs : (k + 1) * bs] for k in range(4))
         write_req_to_token_reference(
             req_to_token, rows_l, prefix_l, seq_l, starts_l, list(prefix_tensors), out_cache_loc
         )
         return
+    # The launcher's checks, made before the stage so that a refusal stages nothing; the
+    # launch below repeats none: meta is built here, on the pool's device, and out_cache_loc
+    # passed the launcher's dtype, shape and contiguity checks above, and its device check
+    # against req_to_token_pool.device, which must then be req_to_token's.
+    check_req_to_token(req_to_token)
+    if req_to_token_pool.device != device:
+        raise CacheIndexError(f"'out_cache_loc' must be on {device} (got {out_cache_loc.device})")
     with pool.stage() as st:
         meta_host, meta = st.reserve(META_ROWS * bs, torch.int64, name="write_cache_indices metadata")
-        if isinstance(meta_list, list):
-            struct.pack_into(f"{META_ROWS * bs}q", meta_host.data, 0, *meta_list)
+        if isinstance(meta_src, bytes):
+            meta_host.data.cast("B")[:] = meta_src
         else:
-            meta_host[:] = meta_list
+            meta_host[:] = meta_src
         # Rule 5 (retain): the kernel dereferences these addresses; keep the tensors alive until
         # the slot's fence, recorded on exit after the launch below, has passed. Only those
         # with a prefix are read, and one list (built here, never changed) holds them all.
         st.retain(kept)
         st.flush()
-        launch_write_req_to_token(req_to_token, meta.view(META_ROWS, bs), out_cache_loc)
+        launch_checked(req_to_token, meta, out_cache_loc, bs, device)
 
 
 def _check_lengths(
-    rows: np.ndarray[Any, Any],
-    prefix: np.ndarray[Any, Any],
-    seq: np.ndarray[Any, Any],
-    extend: np.ndarray[Any, Any],
-    out_cache_loc: torch.Tensor,
-    req_to_token_pool: ReqToTokenPool,
-) -> None:
+    table: np.ndarray[Any, Any], out_cache_loc: torch.Tensor, req_to_token_pool: ReqToTokenPool
+) -> np.ndarray[Any, Any]:
+    """Every length rule on ``table`` (rows 0-3 the lengths); returns the running sum of extend_lens."""
     if not isinstance(out_cache_loc, torch.Tensor) or out_cache_loc.dim() != 1:
         raise CacheIndexError(f"'out_cache_loc' must be a 1-D tensor (got {type(out_cache_loc).__name__})")
     if out_cache_loc.device != req_to_token_pool.device:
@@ -148,25 +157,22 @@ def _check_lengths(
         raise CacheIndexError(f"'out_cache_loc' must be int32 or int64 (got {out_cache_loc.dtype})")
     if not out_cache_loc.is_contiguous():  # refused here, before a slot is claimed, not by the launcher
         raise CacheIndexError("'out_cache_loc' must be contiguous (got a strided view): pass .contiguous()")
+    rows, prefix, seq, extend, _ = table
+    ends: np.ndarray[Any, Any] = extend.cumsum()
     if rows.size == 0:
         if out_cache_loc.shape[0]:
             raise CacheIndexError(f"'out_cache_loc' must be empty for an empty batch (got {out_cache_loc.shape[0]})")
-        return
+        return ends
     size, max_len = req_to_token_pool.size, req_to_token_pool.max_context_len
-    # One combined mask first: the common, valid case pays one reduction, and only a
-    # failing batch goes through the per-rule checks that name the request and value.
-    # seq >= 0 matters beyond its own rule: with every length in [0, max_len] no
-    # difference or sum below can wrap around int64 and pass a check it should fail.
-    bad_any = (
-        (rows < 0)
-        | (rows >= size)
-        | (prefix < 0)
-        | (seq < 0)
-        | (extend < 0)
-        | (seq - prefix != extend)
-        | (seq > max_len)
-    )
-    if bad_any.any():
+    # The valid case pays few numpy calls (0.5-1 µs each whatever the size: most of the
+    # check up to bs 1024), as ufunc methods (ndarray.max/.any add a Python layer);
+    # only a failing batch goes through the per-rule checks that name the request and
+    # value. Read as unsigned, a negative value is >= 2**63, so one max bounds each row
+    # from both sides. The rules put prefix and extend in [0, seq] too, so bounding all
+    # three by max_len refuses nothing they accept; with every length in [0, max_len],
+    # seq - prefix cannot wrap around int64.
+    top_row, top_prefix, top_seq, top_extend, _ = _max(table.view(np.uint64), axis=1).tolist()  # sync-ok: numpy
+    if top_row >= size or max(top_prefix, top_seq, top_extend) > max_len or _any(seq - prefix != extend):
         checks = (
             ((rows < 0) | (rows >= size), "req_pool_indices", rows, f"must be in [0, {size})"),
             (prefix < 0, "prefix_lens", prefix, "must be >= 0"),
@@ -179,15 +185,25 @@ def _check_lengths(
             if bad.any():
                 i = _first_bad(bad)
                 raise CacheIndexError(f"'{name}' of request {i} {rule} (got {int(values[i])})")
-    total = int(extend.sum())
+        # Not reached (see above); here so that a gap in that argument refuses, never accepts.
+        raise CacheIndexError(f"lengths must lie in [0, max_context_len {max_len}]")
+    total = int(ends[-1])
     if total != out_cache_loc.shape[0]:
         raise CacheIndexError(
             f"'out_cache_loc' must hold sum(extend_lens) = {total} slots (got {out_cache_loc.shape[0]})"
         )
-    if rows.size > 1:
-        ordered = np.sort(rows)
-        if (ordered[1:] == ordered[:-1]).any():
-            raise CacheIndexError("'req_pool_indices' must not repeat a row within one batch")
+    if rows.size > 1 and _repeats(rows, top_row):
+        raise CacheIndexError("'req_pool_indices' must not repeat a row within one batch")
+    return ends
+
+
+def _repeats(rows: np.ndarray[Any, Any], top_row: int) -> bool:
+    """Whether a row repeats; ``rows`` are in [0, top_row]."""
+    if top_row < 16 * rows.size:  # counting costs O(top_row): 3-4x cheaper than sorting while rows are dense
+        return bool(_max(np.bincount(rows)) > 1)
+    ordered = rows.copy()
+    ordered.sort()
+    return bool(_any(ordered[1:] == ordered[:-1]))
 
 
 def _small_batch_meta(
@@ -197,35 +213,61 @@ def _small_batch_meta(
     prefix_tensors: Sequence[torch.Tensor],
     req_to_token_pool: ReqToTokenPool,
 ) -> tuple[list[int], list[torch.Tensor]] | None:
-    """The flat metadata [5 * bs] and the prefix tensors read, or None unless the batch is plainly valid.
+    """``_small_batch_packed``'s metadata as a list of ints (for comparing it with ``_batch_meta``'s)."""
+    small = _small_batch_packed(lengths, bs, out_cache_loc, prefix_tensors, req_to_token_pool)
+    return None if small is None else (list(struct.unpack(f"{META_ROWS * bs}q", small[0])), small[1])
+
+
+def _small_batch_packed(
+    lengths: tuple[Any, Any, Any, Any],
+    bs: int,
+    out_cache_loc: torch.Tensor,
+    prefix_tensors: Sequence[torch.Tensor],
+    req_to_token_pool: ReqToTokenPool,
+) -> tuple[bytes, list[torch.Tensor]] | None:
+    """The metadata [5 * bs] as staged (native int64) and the prefix tensors read, or None unless the
+    batch is plainly valid.
 
     None sends the call the vectorised way, whose checks raise the error for each rule:
     this pass must never accept what those refuse. Prefix tensor errors are raised here,
     as there, after every length rule has passed.
     """
-    if any(type(v) is not list or len(v) != bs for v in lengths) or not _loc_ok(out_cache_loc, req_to_token_pool):
+    rows, prefix, seq, extend = lengths
+    if (
+        type(rows) is not list
+        or type(prefix) is not list
+        or type(seq) is not list
+        or type(extend) is not list
+        or len(rows) != bs
+        or len(prefix) != bs
+        or len(seq) != bs
+        or len(extend) != bs
+        or not _loc_ok(out_cache_loc, req_to_token_pool)
+    ):
         return None
-    layout = f"{4 * bs}q"
-    try:  # exact int64 values, as the vectorised way reads them, or not at all
-        values = struct.unpack(layout, struct.pack(layout, *lengths[0], *lengths[1], *lengths[2], *lengths[3]))
+    layout = f"{4 * bs}Q"
+    try:  # exact ints, as the vectorised way reads them, and unsigned: every rule's ">= 0" at C speed
+        packed = struct.pack(layout, *rows, *prefix, *seq, *extend)
     except struct.error:
         return None
+    values = struct.unpack(layout, packed)
     rows, prefix, seq, extend = values[:bs], values[bs : 2 * bs], values[2 * bs : 3 * bs], values[3 * bs :]
-    size, max_len = req_to_token_pool.size, req_to_token_pool.max_context_len
-    starts, total = [], 0
-    for r, p, s, e in zip(rows, prefix, seq, extend, strict=True):
-        if r < 0 or r >= size or p < 0 or e < 0 or s - p != e or s > max_len:
-            return None
-        starts.append(total)
-        total += e
-    if total != out_cache_loc.shape[0] or len(set(rows)) != bs:
+    # The other rules as C-level passes over exact Python ints (no wrap-around). prefix and
+    # extend are then in [0, seq], so every value is below 2**63 and its bytes read the same
+    # as int64 (the kernel's type).
+    if bs and (
+        max(rows) >= req_to_token_pool.size
+        or max(seq) > req_to_token_pool.max_context_len
+        or seq != tuple(map(add, prefix, extend))
+        or len(set(rows)) != bs
+    ):
         return None
-    prefixed = [i for i, p in enumerate(prefix) if p]
-    tagged, kept = checked_prefixes(prefix_tensors, prefixed, [prefix[i] for i in prefixed], req_to_token_pool.device)
-    addresses = [0] * bs
-    for i, a in zip(prefixed, tagged, strict=True):
-        addresses[i] = a
-    return [*rows, *prefix, *seq, *starts, *addresses], kept
+    starts = list(accumulate(extend, initial=0))
+    if starts.pop() != out_cache_loc.shape[0]:  # the last running sum is the total
+        return None
+    device = req_to_token_pool.device
+    addresses = b"".join(checked_prefixes(prefix_tensors, range(bs), prefix, device))
+    return packed[: 3 * 8 * bs] + struct.pack(f"{bs}q", *starts) + addresses, list(compress(prefix_tensors, prefix))
 
 
 def _loc_ok(out_cache_loc: torch.Tensor, req_to_token_pool: ReqToTokenPool) -> bool:
@@ -246,7 +288,7 @@ def _batch_meta(
     req_to_token_pool: ReqToTokenPool,
 ) -> tuple[np.ndarray[Any, Any], list[torch.Tensor]]:
     """The flat metadata, int64 [5 * bs], and the prefix tensors read; raises ``CacheIndexError``."""
-    table = np.empty((META_ROWS, bs), dtype=np.int64)
+    table = np.zeros((META_ROWS, bs), dtype=np.int64)  # addresses stay 0 where a prefix is empty (never read)
     layout = f"{bs}q"
     for k, (name, values) in enumerate(zip(_NAMES, lengths, strict=True)):
         if type(values) is list and len(values) == bs:
@@ -256,20 +298,16 @@ def _batch_meta(
             except struct.error:
                 pass  # _ints names the problem
         table[k] = _ints(name, values, bs)
-    rows, prefix, seq, extend = table[0], table[1], table[2], table[3]
-    _check_lengths(rows, prefix, seq, extend, out_cache_loc, req_to_token_pool)
-    prefixed = np.flatnonzero(prefix)
-    tagged, kept = checked_prefixes(
-        prefix_tensors,
-        prefixed.tolist(),  # sync-ok: numpy host array
-        prefix[prefixed].tolist(),  # sync-ok: numpy host array
-        req_to_token_pool.device,
-    )
-    if bs:
-        # extend_lens becomes the exclusive prefix sum: where each request's slots begin
-        ends = np.cumsum(extend)
-        table[3, 1:] = ends[:-1]
-        table[3, 0] = 0
-    table[4] = 0
-    table[4, prefixed] = tagged
+    ends = _check_lengths(table, out_cache_loc, req_to_token_pool)
+    # Only requests with a prefix are looked at: an empty one is never read (the kernel's
+    # prefix loop does not run), so its tensor may be any placeholder.
+    prefix = table[1]
+    prefixed = prefix.nonzero()[0]
+    rows = prefixed.tolist()  # sync-ok: numpy host array
+    kept = [prefix_tensors[i] for i in rows]
+    tagged = checked_prefixes(kept, rows, prefix[prefixed].tolist(), req_to_token_pool.device)  # sync-ok: numpy
+    # extend_lens becomes the exclusive prefix sum: where each request's slots begin
+    np.subtract(ends, table[3], out=table[3])
+    if tagged:  # joined as bytes and scattered: 4x cheaper than converting Python ints
+        table[4, prefixed] = np.frombuffer(b"".join(tagged), dtype=np.int64)
     return table.reshape(-1), kept

@@ -75,11 +75,7 @@ def launch_write_req_to_token(req_to_token: torch.Tensor, meta: torch.Tensor, ou
     The *values* (rows, lengths, pointers) must already be validated on the host by
     ``write_cache_indices``: a kernel cannot raise, so a bad index must never get here.
     """
-    if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
-        raise CacheIndexError(
-            f"'req_to_token' must be int32 [rows, len] with unit inner stride (got {req_to_token.dtype} "
-            f"{tuple(req_to_token.shape)})"
-        )
+    check_req_to_token(req_to_token)
     if meta.dtype != torch.int64 or meta.dim() != 2 or meta.shape[0] != META_ROWS or not meta.is_contiguous():
         raise CacheIndexError(f"'meta' must be contiguous int64 [5, bs] (got {meta.dtype} {tuple(meta.shape)})")
     if out_cache_loc.dtype not in (torch.int32, torch.int64) or out_cache_loc.dim() != 1:
@@ -89,10 +85,30 @@ def launch_write_req_to_token(req_to_token: torch.Tensor, meta: torch.Tensor, ou
     for name, t in (("meta", meta), ("out_cache_loc", out_cache_loc)):
         if t.device != req_to_token.device:
             raise CacheIndexError(f"'{name}' must be on {req_to_token.device} (got {t.device})")
-    bs = meta.shape[1]
+    launch_checked(req_to_token, meta, out_cache_loc, meta.shape[1], req_to_token.device)
+
+
+def check_req_to_token(req_to_token: torch.Tensor) -> None:
+    """The kernel writes rows through ``row * stride(0) + column``: int32, 2-D, unit inner stride."""
+    if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
+        raise CacheIndexError(
+            f"'req_to_token' must be int32 [rows, len] with unit inner stride (got {req_to_token.dtype} "
+            f"{tuple(req_to_token.shape)})"
+        )
+
+
+def launch_checked(
+    req_to_token: torch.Tensor, meta: torch.Tensor, out_cache_loc: torch.Tensor, bs: int, device: torch.device
+) -> None:
+    """The launch alone, for callers that checked every tensor as ``launch_write_req_to_token`` does.
+
+    ``meta``: contiguous int64 holding the [5, bs] rows back to back on ``device``, the
+    tensors' device; a flat [5 * bs] is as good (the kernel takes only its address), which
+    spares ``write_cache_indices`` a view per call.
+    """
     if bs == 0:
         return
-    with _on_device(req_to_token.device):
+    with _on_device(device):
         _write_req_to_token_kernel[(bs,)](req_to_token, meta, out_cache_loc, bs, req_to_token.stride(0), BLOCK=BLOCK)
 
 

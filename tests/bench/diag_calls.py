@@ -171,12 +171,14 @@ def replay_costs() -> None:
                 t4 = time.perf_counter()
                 st.close()
                 t5 = time.perf_counter()
-                for k, v in zip(("stage", "put_image", "land", "flush", "close"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                spans = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)
+                for k, v in zip(("stage", "put_image", "land", "flush", "close"), spans, strict=True):
                     pieces.setdefault(k, []).append(v * 1e6)
                 assert landing is None or landing.armed
         import statistics
 
-        print(f"bs {bs} pieces (median us):", {k: round(statistics.median(v), 1) for k, v in pieces.items()}, flush=True)
+        medians = {k: round(statistics.median(v), 1) for k, v in pieces.items()}
+        print(f"bs {bs} pieces (median us):", medians, flush=True)
         del reqs
 
 
