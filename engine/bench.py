@@ -40,10 +40,16 @@ def sleep_cycles_per_us(device: torch.device) -> float:
     return 20_000_000 / (start.elapsed_time(end) * 1e3)
 
 
-def _engine(mode: Mode, device: torch.device, running: int, gpu_work_us: float, cycles: float) -> Engine:
+#: A bench label beside the engine's modes: ``pool`` with its tokens read back by a copy
+#: (``EngineConfig(land_tokens=False)``), the A/B for the sampler's landing.
+READ_BACK = "pool-rb"
+
+
+def _engine(mode: str, device: torch.device, running: int, gpu_work_us: float, cycles: float) -> Engine:
     # With simulated GPU work the model is SleepModel: the step is GPU-bound by construction
     # and what remains on top of the GPU time is the loop's own overhead.
     cfg = EngineConfig(
+        land_tokens=mode != READ_BACK,
         max_running=running,
         max_prefill_tokens=1 << 16,
         kv_slots=running * 160 + 1024,
@@ -51,7 +57,8 @@ def _engine(mode: Mode, device: torch.device, running: int, gpu_work_us: float, 
         gpu_work_us=gpu_work_us,
         sleep_cycles_per_us=cycles,
     )
-    return Engine(ModelConfig(max_context_len=160), mode, device, cfg)
+    engine_mode: Mode = "pool" if mode == READ_BACK else mode  # type: ignore[assignment]
+    return Engine(ModelConfig(max_context_len=160), engine_mode, device, cfg)
 
 
 def _requests(running: int, steps: int, seed: int) -> list[Request]:
@@ -63,7 +70,7 @@ def _requests(running: int, steps: int, seed: int) -> list[Request]:
 
 
 def measure(
-    ctx: BenchContext, mode: Mode, running: int, steps: int, gpu_work_us: float, cycles: float, count: bool = True
+    ctx: BenchContext, mode: str, running: int, steps: int, gpu_work_us: float, cycles: float, count: bool = True
 ) -> dict[str, Any]:
     cuda = ctx.is_cuda
     engine = _engine(mode, ctx.device, running, gpu_work_us, cycles)
@@ -100,7 +107,7 @@ def measure(
     }
 
 
-def _count(ctx: BenchContext, mode: Mode, running: int, gpu_work_us: float, cycles: float) -> dict[str, float]:
+def _count(ctx: BenchContext, mode: str, running: int, gpu_work_us: float, cycles: float) -> dict[str, float]:
     """Syncs, copies and pinned allocations per decode step, in a pass of its own."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -141,11 +148,15 @@ def zero_copy_refusal(device: torch.device) -> str | None:
     return None if pool.platform.zero_copy_ok else pool.platform.reason
 
 
-def _modes(ctx: BenchContext) -> tuple[list[Mode], str | None]:
-    """The modes to run, and a note on pool-zc: it runs on CUDA with ``pool``, where zero-copy passed its check."""
-    modes: list[Mode] = [m for m in MODES if m in ctx.modes]
+def _modes(ctx: BenchContext) -> tuple[list[str], str | None]:
+    """The modes to run, and a note on pool-zc: it runs on CUDA with ``pool``, where zero-copy passed its check.
+
+    With ``pool``, ``pool-rb`` runs too: the same mode with its tokens read back by a copy.
+    """
+    modes: list[str] = [m for m in MODES if m in ctx.modes]
     if "pool" not in modes:
         return modes, None
+    modes.append(READ_BACK)
     if not ctx.is_cuda:
         return (
             modes,
@@ -235,6 +246,14 @@ def workload(ctx: BenchContext) -> list[Table]:
             share = ratio(combined["pool"]["staging_us"], combined["pinned"]["staging_us"])
             if share is not None:
                 notes[1] += f"; pool / pinned staging = {share:.2f} (medians)"
+        if READ_BACK in combined:
+            notes.append(
+                "pool lands each decode step's tokens in its slot (the sampler's draw kernel stores them there, "
+                "Stage.land); pool-rb is the same mode with a read-back copy instead"
+            )
+            share = ratio(combined["pool"]["staging_us"], combined[READ_BACK]["staging_us"])
+            if share is not None:
+                notes[-1] += f"; pool / pool-rb staging = {share:.2f} (medians)"
         if zero_copy_note is not None:
             notes.append(zero_copy_note)
             if "pool-zc" in combined:

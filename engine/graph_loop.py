@@ -341,6 +341,7 @@ class GraphEngine(Engine):
             st.flush()
         except BaseException:
             st.close(ok=False)
+            self.kv.free(slots)  # the step never ran: its KV slots go back
             raise
         self.slot_of[batch.rows, positions] = slots
         positions += 1  # in the image: the next step's positions

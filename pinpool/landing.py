@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 
 import torch
 import triton
@@ -27,29 +28,48 @@ import triton.language as tl
 
 from pinpool.exceptions import DeviceMismatchError, StagingTypeError, StagingValueError
 
-#: The dtypes a landing carries (what a decode step reads back: token ids, flags, scores).
+#: The dtypes a writer may hand ``land`` (each value is stored as its landing's dtype).
 LANDING_DTYPES = (torch.int64, torch.int32, torch.float32)
 BLOCK = 256
+#: struct format per landing tag (``pinpool.stage.LANDING_TAG``): what the reference stores.
+_PACK = {0: "=q", 1: "=i", 2: "=f"}
+
+
+@triton.jit
+def store_landed(addr, value, mask):
+    """Store ``value`` at a tagged landing address, as the landing's dtype (the tag in its two low bits).
+
+    Tag 0: int64, 1: int32, 2: float32 (``pinpool.stage.LANDING_TAG``); address 0 (a padding
+    row) and tag 3 store nothing. The width comes from the landing, never from the writer,
+    so a store cannot run past the bytes the landing reserved. Works on scalars and lanes.
+    """
+    tag = addr & 3
+    base = addr - tag
+    live = mask & (addr != 0)
+    tl.store(base.to(tl.pointer_type(tl.int64)), value.to(tl.int64), mask=live & (tag == 0))
+    tl.store(base.to(tl.pointer_type(tl.int32)), value.to(tl.int32), mask=live & (tag == 1))
+    tl.store(base.to(tl.pointer_type(tl.float32)), value.to(tl.float32), mask=live & (tag == 2))
 
 
 @triton.jit(do_not_specialize=["n"])
 def _land_kernel(values_ptr, addr_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
-    addr = tl.load(addr_ptr + offs, mask=inside, other=0)
-    values = tl.load(values_ptr + offs, mask=inside)
     # Each lane's own destination: the staged host address of its row (0 on padding rows).
-    dst = addr.to(tl.pointer_type(values_ptr.dtype.element_ty))
-    tl.store(dst, values, mask=inside & (addr != 0))
+    addr = tl.load(addr_ptr + offs, mask=inside, other=0)
+    values = tl.load(values_ptr + offs, mask=inside, other=0)
+    store_landed(addr, values, inside)
 
 
 def land(values: torch.Tensor, addresses: torch.Tensor) -> None:
     """Store ``values[i]`` at host address ``addresses[i]`` for each i whose address is not 0.
 
     ``values``: contiguous 1-D, a ``LANDING_DTYPES`` dtype; ``addresses``: contiguous 1-D
-    int64 of the same length on the same device (a ``StaticInputs`` field a landing
-    wrote). On CUDA tensors one kernel on the current stream (capturable); on CPU tensors
-    the reference (``land_reference``), or the kernel under ``TRITON_INTERPRET=1``.
+    int64 of the same length on the same device, as a landing staged them (``Stage.land``,
+    or the ``StaticInputs`` field ``StaticStage.land`` wrote): each carries its landing's
+    dtype in its two low bits, and the value is stored converted to it. On CUDA tensors
+    one kernel on the current stream (capturable); on CPU tensors the reference
+    (``land_reference``), or the kernel under ``TRITON_INTERPRET=1``.
     """
     _check(values, addresses)
     n = values.numel()
@@ -68,15 +88,15 @@ def land(values: torch.Tensor, addresses: torch.Tensor) -> None:
 
 
 def land_reference(values: torch.Tensor, addresses: torch.Tensor) -> None:
-    """The kernel's oracle on CPU tensors: one store per row with a non-zero address."""
+    """The kernel's oracle on CPU tensors: each row with a non-zero address stores its value as its tag says."""
     _check(values, addresses)
     if values.device.type != "cpu":
         raise DeviceMismatchError(f"'values' of land_reference must be CPU tensors (got {values.device})")
-    itemsize = values.element_size()
-    base = values.data_ptr()
-    for i, addr in enumerate(addresses.tolist()):  # sync-ok: CPU tensor, no device
-        if addr:
-            ctypes.memmove(addr, base + i * itemsize, itemsize)
+    for value, addr in zip(values.tolist(), addresses.tolist(), strict=True):  # sync-ok: CPU tensors, no device
+        tag = addr & 3
+        if addr and tag in _PACK:
+            packed = struct.pack(_PACK[tag], int(value) if tag < 2 else float(value))
+            ctypes.memmove(addr - tag, packed, len(packed))
 
 
 def _check(values: torch.Tensor, addresses: torch.Tensor) -> None:

@@ -167,10 +167,18 @@ def check_cuda(host_slab: torch.Tensor, device: torch.device) -> tuple[PlatformR
             alias_is_host_address=True,
             kernel_sees_host_writes=seen,
         )
+    if not kernel_write_reaches_host(host_slab, alias, index):
+        # Landings (``Stage.land``) have kernels store into the slab: that direction must work too.
+        return refused(
+            "a kernel's stores into the device view did not reach the host bytes",
+            pinned=True,
+            alias_is_host_address=True,
+            kernel_sees_host_writes=True,
+        )
     report = PlatformReport(
         checked=True,
         zero_copy_ok=True,
-        reason="ok: pinned, aliased, and a queued kernel read a later host write",
+        reason="ok: pinned, aliased, a queued kernel read a later host write, and a kernel's stores reached the host",
         pinned=True,
         alias_is_host_address=True,
         kernel_sees_host_writes=True,
@@ -205,6 +213,23 @@ def kernel_sees_host_write(host: torch.Tensor, alias: torch.Tensor, index: int) 
             if still_asleep:
                 return bool(torch.equal(read.cpu(), new))  # sync-ok: after the stream sync above
     return None
+
+
+def kernel_write_reaches_host(host: torch.Tensor, alias: torch.Tensor, index: int) -> bool:
+    """Have an elementwise kernel store a pattern through ``alias``; True when ``host`` then holds it."""
+    n = min(_PROBE_BYTES, host.numel())
+    host_np = host[:n].numpy()
+    host_np[:] = 0
+    with torch.cuda.device(index):
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream):
+            pattern = ((torch.arange(n, device=alias.device, dtype=torch.int16) * 53 + 7) % 251 + 1).to(torch.uint8)
+            torch.add(pattern, 0, out=alias[:n])  # an elementwise kernel's own stores into the slab
+        stream.synchronize()  # sync-ok: start-up platform check, once per pool created with zero_copy
+        want = pattern.cpu().numpy()  # sync-ok: after the stream sync above
+    ok = bool((host_np == want).all())
+    host_np[:] = 0
+    return ok
 
 
 # -- NUMA nodes, where the OS tells -----------------------------------------------------

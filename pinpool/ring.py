@@ -334,12 +334,15 @@ class PinnedRingBuffer:
         if ok and not st.flushed:
             self.issue_copy(st)
         counters.stages += 1
-        if st.used_bytes == 0 and not st.copy_issued:
+        if st.used_bytes == 0 and not st.copy_issued and not st.landings:
             return  # nothing in flight: the slot is free for the next claim as it is
         if st.landings:
             # Kernels store into the slot (``Stage.land``), on the stage's stream or a
-            # registered consumer: the fence follows them all, as a zero-copy stage's does.
+            # registered consumer: the fence follows them all, as a zero-copy stage's does,
+            # even after a read-back's fence (the writers may have been launched after it).
             self._fence_readers(st)
+            if self.settings.debug and ok:
+                refuse_unregistered_reader(self._transport, st, [consumer for consumer, _ in self._consumers])
         elif not st.read_back:
             # Rule 1, on the stage's fixed stream: wherever the stage is closed, the fence
             # follows its copy. (After a stage read-back the fence is already recorded
@@ -357,7 +360,7 @@ class PinnedRingBuffer:
             return
         self._open = None
         counters = self._counters
-        if not (st.used_bytes or st.copy_issued):
+        if not (st.used_bytes or st.copy_issued or st.landings):
             # Nothing was put, so no kernel can be reading the slot: hand it on as it is.
             if ok:
                 counters.stages += 1

@@ -22,7 +22,7 @@ from pinpool.encode import NUMPY_DTYPE, as_source, check_dtype, pack_list, write
 from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
 from pinpool.readback import Landing
 from pinpool.settings import OverflowPolicy
-from pinpool.slots import SlotLayout
+from pinpool.slots import BoundedCache, SlotLayout
 from pinpool.transport import Stream
 
 if TYPE_CHECKING:
@@ -33,14 +33,19 @@ _ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in [*NUMPY_DTYPE, 
 _NUMPY_ITEMSIZE = {d: _ITEMSIZE[d] for d in NUMPY_DTYPE}
 #: What a landing carries (``pinpool.landing.LANDING_DTYPES``), with each one's size.
 LANDING_ITEMSIZE = {torch.int64: 8, torch.int32: 4, torch.float32: 4}
-_OFFSETS: dict[tuple[int, int], np.ndarray[Any, Any]] = {}
+#: Each landed value's address carries its landing's dtype in its two low bits (free: the
+#: values are at least 4-byte aligned), so a writer stores exactly that dtype, converted,
+#: whatever it computed: an int64 token into an int32 landing never runs past it.
+LANDING_TAG = {torch.int64: 0, torch.int32: 1, torch.float32: 2}
+_OFFSETS: BoundedCache[tuple[int, int], np.ndarray[Any, Any]] = BoundedCache()
 
 
-def landing_offsets(numel: int, itemsize: int) -> np.ndarray[Any, Any]:
-    """int64 [numel]: each value's byte offset in a landing, cached (the same every step)."""
-    offsets = _OFFSETS.get((numel, itemsize))
+def landing_offsets(numel: int, dtype: torch.dtype) -> np.ndarray[Any, Any]:
+    """int64 [numel]: each value's byte offset in a landing plus its dtype tag, cached (the same every step)."""
+    offsets = _OFFSETS.get((numel, LANDING_TAG[dtype]))
     if offsets is None:
-        offsets = _OFFSETS[(numel, itemsize)] = np.arange(numel, dtype=np.int64) * itemsize
+        column = np.arange(numel, dtype=np.int64) * LANDING_ITEMSIZE[dtype] + LANDING_TAG[dtype]
+        offsets = _OFFSETS.put((numel, LANDING_TAG[dtype]), column)
     return offsets
 
 
@@ -67,6 +72,7 @@ class Stage:
         "_capacity",
         "_cursor",
         "_end",
+        "_landing",
         "_landings",
         "_layout",
         "_open",
@@ -108,11 +114,12 @@ class Stage:
         self._align = pool.settings.alignment
         self._cursor = 0
         self._end = 0
-        # Landings (``reserve_landing``) are claimed from the slot's end down, outside the
+        # Landings (``land``) are claimed from the slot's end down, outside the
         # copied bytes; puts, reservations and read-backs stop where they start.
         self._tail = pool.settings.slot_bytes
         #: Landing handles of this stage (``land``), made readable by a successful close.
         self._landings: list[Landing] = []
+        self._landing = False  # landing bytes claimed: the fence must follow the writers
         self._open = True
         self.flushed = False
         self.spilled = False
@@ -132,15 +139,18 @@ class Stage:
     def close(self, ok: bool = True) -> None:
         """Finish a stage opened without ``with``: copy (if ``ok``) and record the fence."""
         if self._open:
+            # A landing's addresses travel in the copy, and its writer runs after it: with the
+            # copy issued only now, at close, no writer can have stored into the slot.
+            flushed = self.flushed
             self._open = False
             self._pool.finish_stage(self, ok)
-            if ok and self._landings:
+            if ok and flushed and self._landings:
                 self.arm_landings()
 
     @property
     def landings(self) -> bool:
         """True when kernels store into this stage's slot (``land``): its fence then follows the consumers."""
-        return bool(self._landings)
+        return self._landing
 
     def arm_landings(self) -> None:
         """After a successful close: the slot's fence follows the writing kernels, so the handles may read."""
@@ -181,7 +191,7 @@ class Stage:
             itemsize = _NUMPY_ITEMSIZE[dtype]
             start = self._cursor
             end = start + numel * itemsize
-            if end <= self._capacity:
+            if end <= self._capacity and end <= self._tail:
                 first = start // itemsize
                 layout = self._layout
                 if not pack_list(layout.host_bytes, layout.host_base + start, values, dtype):
@@ -242,11 +252,12 @@ class Stage:
     def reserve_landing(self, nbytes: int, *, name: str = "landing") -> tuple[int, np.ndarray[Any, Any]]:
         """Claim ``nbytes`` of the slot's pinned memory for a kernel to write: (host address, uint8 view).
 
+        The building block of ``land`` and ``StaticStage.land``, which also return the handle that reads them.
         The bytes lie past everything the stage copies (claimed from the slot's end), so
-        this works before or after ``flush`` and never lengthens the copy. No copy fills
-        or reads them: a kernel stores into them through UVA (``pinpool.landing``), and
-        the slot's fence, recorded at close, must follow that kernel, so launch it before
-        close on the stage's stream. ``StaticStage.land`` builds on this.
+        the copy never covers them. Once claimed, the stage's close records the slot's
+        fence after its stream and every registered consumer stream (``landings``), even
+        with nothing copied or after a read-back, so the slot is not reused before the
+        writer ran.
         """
         if not self._open:
             self._check_open()  # raises: closed
@@ -260,6 +271,7 @@ class Stage:
                 f"of {self._pool.settings.slot_bytes}; raise PoolSettings.slot_bytes"
             )
         self._tail = start
+        self._landing = True
         host: np.ndarray[Any, Any] = self._layout.host[torch.uint8][start : start + nbytes]
         return self._layout.host_raw.data_ptr() + start, host
 
@@ -268,7 +280,7 @@ class Stage:
     ) -> tuple[torch.Tensor, Landing]:
         """Have a kernel store ``numel`` values straight into this slot: (device addresses, handle).
 
-        Reserves the values' bytes in the slot (``reserve_landing``) and puts, in the
+        Reserves the values' bytes at the slot's end (outside the copy) and puts, in the
         stage's copy, the pinned host address of each one: pass the returned int64 device
         view to the kernel that writes them (``pinpool.landing.land``, or the sampler's
         ``land_to``). Call it before ``flush``; launch that kernel before close, on the
@@ -286,12 +298,12 @@ class Stage:
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise StagingValueError(f"'{name}' numel must be an int >= 0 (got {numel!r})")
         self._check_open()
-        tail = self._tail
+        tail, landing = self._tail, self._landing
         address, raw = self.reserve_landing(numel * itemsize, name=name)
         try:
-            addresses = self.put(landing_offsets(numel, itemsize) + address, torch.int64, name=name)
+            addresses = self.put(landing_offsets(numel, dtype) + address, torch.int64, name=name)
         except BaseException:
-            self._tail = tail  # the put did not fit: the landing's bytes go back
+            self._tail, self._landing = tail, landing  # the put did not fit: the landing's bytes go back
             raise
         handle = Landing(pool, self.slot, self.generation, pool.slot_fence(self.slot), raw.view(NUMPY_DTYPE[dtype]))
         self._landings.append(handle)
@@ -330,7 +342,7 @@ class Stage:
             self.flush()
         align = self._align
         offset = (self._cursor + align - 1) // align * align
-        if offset + src.numel() * src.element_size() > self._tail:
+        if isinstance(src, torch.Tensor) and offset + src.numel() * src.element_size() > self._tail:
             raise CapacityError(
                 f"'src' needs {src.numel() * src.element_size()} bytes but the slot has {self._tail - offset} left "
                 "before its landings; raise PoolSettings.slot_bytes"
@@ -392,8 +404,9 @@ class Stage:
 
     def _capacity_message(self, nbytes: int, name: str) -> str:
         limit = "owned buffer" if self.owned and self._capacity < self._pool.settings.slot_bytes else "slot"
+        free = max(min(self._capacity, self._tail) - self._cursor, 0)  # landings take the slot's end
         return (
-            f"'{name}' needs {nbytes} bytes but the {limit} has {self._capacity - self._cursor} of "
+            f"'{name}' needs {nbytes} bytes but the {limit} has {free} of "
             f"{self._capacity} left; raise PoolSettings.slot_bytes (PINPOOL_SLOT_BYTES) or pass "
             "overflow='spill'"
         )

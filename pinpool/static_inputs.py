@@ -299,6 +299,7 @@ class StaticStage:
     __slots__ = (
         "_block",
         "_host_raw",
+        "_landed",
         "_landings",
         "_written",
         "flushed",
@@ -330,6 +331,7 @@ class StaticStage:
         #: True once the copy is issued (``flush``/``readback``): nothing more can be written.
         self.flushed = False
         self._landings: list[Landing] = []
+        self._landed = 0  # bit i: field i holds landing addresses (land): nothing may overwrite it
 
     def put_image(self, image: HostImage) -> None:
         """Write every field, padding included, from ``image`` in one memcpy.
@@ -341,6 +343,8 @@ class StaticStage:
         """
         if self.flushed:
             raise PoolStateError("this static stage was flushed: its copy is issued, so nothing more can be written")
+        if self._landed:
+            raise PoolStateError("put_image() must come before land(): the image would overwrite the landing addresses")
         if image.block is not self._block or image.rows != self.rows or image.live != self.live:
             raise StagingValueError(
                 f"'image' must be this block's image for rows={self.rows}, live={self.live} "
@@ -360,6 +364,7 @@ class StaticStage:
         if self.flushed:
             raise PoolStateError("this static stage was flushed: its copy is issued, so nothing more can be written")
         i = self._block.field_index(name)
+        self._refuse_landed(i, name)
         self._written |= 1 << i
         return self.host_views[i][: self.live]
 
@@ -368,6 +373,7 @@ class StaticStage:
         if self.flushed:
             raise PoolStateError("this static stage was flushed: its copy is issued, so nothing more can be written")
         i = self._block.field_index(name)
+        self._refuse_landed(i, name)
         dtype = self._block.fields[i].dtype
         if isinstance(values, np.ndarray) and values.dtype == NUMPY_DTYPE[dtype] and values.shape == (self.live,):
             self.host_views[i][: self.live] = values  # hot path: the engine's own arrays
@@ -428,6 +434,7 @@ class StaticStage:
             raise PoolStateError("land() must come before flush(): the addresses travel in the step's copy")
         block = self._block
         i = block.field_index(name)
+        self._refuse_landed(i, name)
         f = block.fields[i]
         if f.dtype != torch.int64 or f.pad != 0:
             raise StagingValueError(
@@ -448,15 +455,20 @@ class StaticStage:
         key = (address, live, dtype)
         hit = block.landing_views.get(key)
         if hit is None:
-            hit = block.landing_views.put(
-                key, (landing_offsets(live, itemsize) + address, raw.view(NUMPY_DTYPE[dtype]))
-            )
+            hit = block.landing_views.put(key, (landing_offsets(live, dtype) + address, raw.view(NUMPY_DTYPE[dtype])))
         addresses, values = hit
         self.host_views[i][:live] = addresses
         self._written |= 1 << i
+        self._landed |= 1 << i
         handle = Landing(pool, st.slot, st.generation, pool.slot_fence(st.slot), values)
         self._landings.append(handle)
         return handle
+
+    def _refuse_landed(self, i: int, name: str) -> None:
+        if self._landed >> i & 1:
+            raise PoolStateError(
+                f"field {name!r} holds this step's landing addresses (land): writing it again would cancel the landing"
+            )
 
     def _check_complete(self) -> None:
         block = self._block
@@ -475,14 +487,16 @@ class StaticStage:
             return
         if ok and not self.flushed:
             self._check_complete()  # raises, the stage aborted, when a field was not written
-        if self._landings and self.flushed:
-            # The landing kernel may run on a registered reader: the fence, recorded now on
-            # the stage's stream, must follow it. A read-back's fence came before it, so the
-            # close records the fence again (a later record only delays those handles).
+        # The addresses travel in the copy and the replay that stores runs after it: a copy
+        # issued only now, at close, means no replay can have stored this step's values.
+        flushed = self.flushed
+        if self._landings and flushed:
+            # The replay may run on a registered reader: the slot's fence, recorded at the
+            # ring's close on the stage's stream (after any read-back's, since the stage has
+            # landing bytes), must follow it.
             self._block.fence_after_readers(self.stage.stream)
-            self.stage.read_back = False
         self._block.finish(self, ok)
-        if ok and self.flushed:
+        if ok and flushed:
             for handle in self._landings:
                 handle.armed = True
 

@@ -54,7 +54,7 @@ class ZeroCopyStage(Stage):
             self._open = False
             self._pool.finish_zero_copy(self, ok)
             if ok and self._landings:
-                self.arm_landings()
+                self.arm_landings()  # the addresses were readable in place from the put: no copy to wait for
 
     def flush(self) -> None:
         """End the puts. Nothing is copied: kernels may read the views from the moment ``put`` returns."""

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from pinpool.landing import store_landed
 from sampling.bias_kernel import on_device
 from sampling.exceptions import BatchMismatchError
 
@@ -216,8 +217,7 @@ def _draw_sorted_kernel(
     if LAND:
         # A landing (``pinpool.Stage.land``): the token also goes straight into the step's
         # pinned slot, so no device-to-host copy is queued after the sampler.
-        addr = tl.load(land_ptr + row)
-        tl.store(addr.to(tl.pointer_type(tl.int64)), best_token, mask=addr != 0)
+        store_landed(tl.load(land_ptr + row), best_token, best_token == best_token)  # mask: always true
 
 
 def launch_draw_sorted(

@@ -78,6 +78,16 @@ class Sampler:
         if info.deterministic and (positions is None or positions.shape != (bs,)):
             got = None if positions is None else tuple(positions.shape)
             raise BatchMismatchError(f"'positions' must be shape ({bs},) for deterministic sampling (got {got})")
+        if land_to is not None and (
+            land_to.dtype != torch.int64
+            or land_to.shape != (bs,)
+            or land_to.device != logits.device
+            or not land_to.is_contiguous()
+        ):
+            raise BatchMismatchError(
+                f"'land_to' must be contiguous torch.int64 ({bs},) on {logits.device} (got {land_to.dtype} "
+                f"{tuple(land_to.shape)} on {land_to.device})"
+            )
         info.check_live()
         if isinstance(info, SamplingBatchInfo) and info.sparse_logit_bias is not None:
             # Sparse entries, one kernel, on a float32 copy (the caller's logits stay as they are).

@@ -19,7 +19,7 @@ import time
 import structlog
 import torch
 
-from engine.bench import _engine, _requests
+from engine.bench import READ_BACK, _engine, _requests
 from engine.uploader import MODES
 
 DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -32,7 +32,7 @@ def _sync() -> None:
 
 
 def per_step(mode: str, running: int, drain: bool, steps: int = 40) -> dict[str, float]:
-    engine = _engine(mode, DEV, running, 0.0, 0.0)  # type: ignore[arg-type]
+    engine = _engine(mode, DEV, running, 0.0, 0.0)
     engine.submit(_requests(running, steps, seed=1))
     samples: dict[str, list[float]] = {s: [] for s in (*SITES, "wall")}
     seen = 0
@@ -56,7 +56,7 @@ def per_step(mode: str, running: int, drain: bool, steps: int = 40) -> dict[str,
 
 
 def isolated(mode: str, running: int, calls: int = 300) -> float:
-    engine = _engine(mode, DEV, running, 0.0, 0.0)  # type: ignore[arg-type]
+    engine = _engine(mode, DEV, running, 0.0, 0.0)
     rows, pos = list(range(running)), list(range(100, 100 + running))
     fields = [(rows, torch.int64), (pos, torch.int64)]
     for _ in range(50):
@@ -93,7 +93,7 @@ def main() -> None:
         per_step(mode, 64, False, steps=8)
     print("running mode        variant   " + "  ".join(f"{s:>15}" for s in (*SITES, "wall")) + "   isolated upload")
     for running in (64, 256):
-        for mode in MODES:
+        for mode in (*MODES, READ_BACK):  # pool-rb: pool with a read-back copy instead of its landing
             iso = isolated(mode, running)
             for drain in (False, True):
                 r = per_step(mode, running, drain)

@@ -45,7 +45,7 @@ def test_bench_runs_every_workload_on_cpu(bench_run: tuple[int, str, Any]) -> No
     for prefix in ("staging", "sampling", "memcache", "decode loop"):
         assert any(t.startswith(prefix) for t in titles), (prefix, titles)
     decode = next(t for t in payload["tables"] if t["title"].startswith("decode loop"))
-    assert [row["mode"] for row in decode["rows"]] == ["sync", "pinned", "persistent", "pool"]
+    assert [row["mode"] for row in decode["rows"]] == ["sync", "pinned", "persistent", "pool", "pool-rb"]
     assert "identical across modes: True" in decode["notes"][0]
 
 

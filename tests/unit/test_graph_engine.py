@@ -19,6 +19,7 @@ from engine.graph import DEFAULT_SIZES, graph_sizes
 from engine.graph_loop import GRAPH_MODES, GraphConfig, GraphEngine, GraphMode
 from engine.requests import Request
 from memcache.host_kv_allocator import HostKVAllocator
+from pinpool import StaticStage
 from sampling import RECORD_DTYPE, SAMPLING_FIELDS, sampling_columns
 
 CFG = ModelConfig(max_context_len=96)
@@ -285,3 +286,21 @@ def test_a_cpu_engine_never_captures() -> None:
     engine = GraphEngine(CFG, "pool", CPU, ECFG)
     assert engine.graph_cfg.capture and not engine.graphs.capture
     assert engine.forward_stream is None and engine.schedule_stream is None and engine.upload_stream is None
+
+
+def test_a_pool_step_that_fails_while_staging_gives_its_kv_slots_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches KV slots allocated for a step whose stage failed after opening (a landing, the image,
+    the copy) staying allocated: the step never ran, so nothing will ever free them."""
+    engine = graph_engine("pool")
+    engine.submit(make_requests(workload(2), CFG.vocab_size))
+    while engine.step() != "decode":
+        pass
+    free_before = engine.kv.available_size()
+
+    def fail(self: StaticStage, name: str, dtype: torch.dtype = torch.int64) -> None:
+        raise RuntimeError("landing refused")
+
+    monkeypatch.setattr(StaticStage, "land", fail)
+    with pytest.raises(RuntimeError, match="landing refused"):
+        engine.step()
+    assert engine.kv.available_size() == free_before

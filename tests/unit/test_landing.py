@@ -36,6 +36,7 @@ from pinpool import (
 from pinpool.landing import land, land_reference
 from pinpool.readback import Landing
 from pinpool.simulated import LaggingGpu, SimStream
+from pinpool.stage import LANDING_TAG
 from pinpool.transport import Stream
 
 FIELDS = (StaticField("x", torch.int64, pad=-1), StaticField("dst", torch.int64, pad=0))
@@ -56,13 +57,32 @@ def test_land_stores_each_value_at_its_address_and_nothing_where_the_address_is_
 ) -> None:
     """Catches a store to the wrong row, a store through a padding row's 0, or a dtype width mix-up."""
     target = torch.full((9,), -7, dtype=dtype)
-    size = target.element_size()
+    size, tag = target.element_size(), LANDING_TAG[dtype]
     keep = [i % 3 != 1 for i in range(9)]
-    addresses = torch.tensor([target.data_ptr() + size * (8 - i) if k else 0 for i, k in enumerate(keep)])
+    addresses = torch.tensor([target.data_ptr() + size * (8 - i) + tag if k else 0 for i, k in enumerate(keep)])
     values = (torch.arange(9) * 11 + 3).to(dtype)
     fn(values, addresses)  # type: ignore[operator]
     want = [float(values[8 - j]) if keep[8 - j] else -7.0 for j in range(9)]  # row i lands at index 8 - i
     assert target.tolist() == want
+
+
+@pytest.mark.parametrize("fn", [land, land_reference], ids=["kernel", "reference"])
+@pytest.mark.parametrize(
+    ("writer", "landing"), [(torch.int64, torch.int32), (torch.int64, torch.float32), (torch.int32, torch.int64)]
+)
+def test_a_writer_stores_its_landings_dtype_never_its_own_width(
+    fn: object, writer: torch.dtype, landing: torch.dtype
+) -> None:
+    """Catches a store as wide as the writer's values: an int64 token into an int32 landing would
+    overwrite the 4 bytes after it (the next value, or the next slot's staged bytes)."""
+    raw = torch.full((8,), -1, dtype=torch.int64)  # 64 bytes; the landing is its first 3 values
+    target = raw.view(landing)
+    size = target.element_size()
+    addresses = torch.tensor([raw.data_ptr() + size * i + LANDING_TAG[landing] for i in range(3)])
+    fn(torch.tensor([5, -6, 7], dtype=writer), addresses)  # type: ignore[operator]
+    assert target[:3].tolist() == [5, -6, 7]
+    untouched = raw.view(torch.uint8)[3 * size :]
+    assert untouched.tolist() == [255] * len(untouched), "bytes past the landing were written"
 
 
 @pytest.mark.parametrize(
@@ -258,3 +278,94 @@ def test_control_the_same_plans_with_the_guard_planted_away_read_wrong_values(
     caught = sum(bool(run_landing_plan(seed, planted, unregistered)) for seed in PLAN_SEEDS)
     print(f"{planted.__name__} unregistered={unregistered}: caught in {caught} of {len(PLAN_SEEDS)} seeds")
     assert caught >= least * len(PLAN_SEEDS), f"caught in only {caught} of {len(PLAN_SEEDS)} seeds"
+
+
+# -- the review's cases: misuse is refused or fenced, never silently wrong ---------------------
+def plain_pool(num_slots: int = 3) -> PinnedRingBuffer:
+    return PinnedRingBuffer(PoolSettings(device="cpu", num_slots=num_slots, slot_bytes=SLOT_BYTES, zero_copy=True))
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero-copy"])
+def test_a_put_after_a_landing_never_reaches_its_bytes(zero_copy: bool) -> None:
+    """Catches a list put (the hot path) or a read-back placed over the landing at the slot's end."""
+    pool = plain_pool()
+    with pool.stage(zero_copy=zero_copy) as st:
+        st.land(4)
+        room = (SLOT_BYTES - 32 - 32) // 8  # the landing (32 bytes) and its addresses (32) are taken
+        with pytest.raises(CapacityError):
+            st.put(list(range(room + 1)), torch.int64)
+        with pytest.raises(CapacityError):
+            st.put(np.arange(room + 1, dtype=np.int64))
+        st.put(list(range(room - 8)), torch.int64)  # what fits still goes in
+
+
+def test_a_handle_whose_stage_closed_without_flush_never_reads() -> None:
+    """Catches a landing armed although its addresses were copied only at close: no writer can have
+    stored after that copy, so the slot still holds an older step's bytes."""
+    pool = plain_pool()
+    with pool.stage() as st:
+        _, handle = st.land(2)
+    with pytest.raises(PoolStateError, match="before its stage closed"):
+        handle.tolist()
+    _, block = cpu_block()
+    with block.stage(2, 2) as sst:
+        sst.put("x", [1, 2])
+        static_handle = sst.land("dst")
+    with pytest.raises(PoolStateError, match="before its stage closed"):
+        static_handle.tolist()
+
+
+def test_writes_after_land_that_would_cancel_it_are_refused() -> None:
+    """Catches put_image, put or host on the address field after land(), or a second land() on it:
+    each would leave an armed handle that reads stale bytes."""
+    _, block = cpu_block()
+    image = block.host_image(4, 2)
+    with block.stage(4, 2) as st:
+        st.put("x", [1, 2])
+        st.land("dst")
+        for write in (
+            lambda: st.put_image(image),
+            lambda: st.put("dst", [0, 0]),
+            lambda: st.host("dst"),
+            lambda: st.land("dst"),
+        ):
+            with pytest.raises(PoolStateError, match="land"):
+                write()
+        st.flush()
+
+
+def test_a_stage_with_only_landing_bytes_is_fenced_and_moves_the_ring_on() -> None:
+    """Catches a stage that reserved landing bytes but copied nothing being closed with no fence,
+    its slot handed straight to the next stage while a writer may still store into it."""
+    pool = plain_pool()
+    with pool.stage() as st:
+        st.reserve_landing(64)
+        first = st.slot
+    with pool.stage() as st:
+        st.put([1], torch.int64)
+        assert st.slot != first
+
+
+def test_a_read_back_of_something_not_a_tensor_is_a_typed_error() -> None:
+    """Catches the landing's room check reading ``numel`` of a non-tensor (AttributeError)."""
+    pool = plain_pool()
+    with pool.stage() as st:
+        st.land(1)
+        st.put([1], torch.int64)
+        with pytest.raises(PoolStateError, match=r"'src' must be a torch\.Tensor"):
+            st.readback([1, 2, 3])  # type: ignore[arg-type]
+
+
+def test_the_sampler_refuses_a_bad_land_to_before_sampling() -> None:
+    """Catches land_to checked only after the sampling kernels ran, or under another error type."""
+    from sampling import BatchMismatchError, Sampler, SamplingBatchInfo, SamplingParams
+    from tests.fakes import Batch, Req
+
+    pool = plain_pool()
+    info = SamplingBatchInfo.from_schedule_batch(
+        Batch([Req(SamplingParams(temperature=0.0)) for _ in range(3)]), 11, pool, owned=True
+    )
+    logits = torch.randn(3, 11)
+    for bad in (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
+        with pytest.raises(BatchMismatchError, match=r"'land_to' must be contiguous torch\.int64"):
+            Sampler()(logits, info, land_to=bad)
