@@ -43,7 +43,7 @@ class SlotLayout:
     ``host_base`` this slot's first byte in it, for ``struct`` packing of int lists.
     """
 
-    __slots__ = ("device", "device_raw", "device_views", "host", "host_base", "host_bytes", "host_raw")
+    __slots__ = ("device", "device_raw", "device_views", "host", "host_base", "host_bytes", "host_raw", "landings")
 
     def __init__(
         self, host_raw: torch.Tensor, device_raw: torch.Tensor, host_bytes: memoryview, host_base: int
@@ -58,6 +58,8 @@ class SlotLayout:
         self.device: dict[torch.dtype, torch.Tensor] = {d: device_raw.view(d) for d in self.host}
         #: (dtype, first element, numel) -> device view: the same memory every lap.
         self.device_views: BoundedCache[tuple[torch.dtype, int, int], torch.Tensor] = BoundedCache()
+        #: ``Stage.land``'s plans for this slot, by (cursor, tail, capacity, numel, dtype).
+        self.landings: BoundedCache[tuple[Any, ...], Any] = BoundedCache()
 
     def device_view(self, dtype: torch.dtype, first: int, numel: int) -> torch.Tensor:
         key = (dtype, first, numel)

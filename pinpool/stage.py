@@ -259,6 +259,15 @@ class Stage:
         with nothing copied or after a read-back, so the slot is not reused before the
         writer ran.
         """
+        return self.landing_view(self.claim_landing(nbytes, name=name), nbytes)
+
+    def landing_view(self, start: int, nbytes: int) -> tuple[int, np.ndarray[Any, Any]]:
+        """(host address, uint8 view) of ``nbytes`` of this slot at ``start`` (a claimed landing's)."""
+        host: np.ndarray[Any, Any] = self._layout.host[torch.uint8][start : start + nbytes]
+        return self._layout.host_raw.data_ptr() + start, host
+
+    def claim_landing(self, nbytes: int, *, name: str = "landing") -> int:
+        """``reserve_landing`` without building its views: the claimed bytes' offset in the slot."""
         if not self._open:
             self._check_open()  # raises: closed
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
@@ -272,8 +281,19 @@ class Stage:
             )
         self._tail = start
         self._landing = True
-        host: np.ndarray[Any, Any] = self._layout.host[torch.uint8][start : start + nbytes]
-        return self._layout.host_raw.data_ptr() + start, host
+        return start
+
+    def write_host(self, offset: int, data: bytes | np.ndarray[Any, Any]) -> None:
+        """Copy ``data`` (bytes, or a contiguous uint8 array) into the slot's pinned bytes at ``offset``: a memcpy.
+
+        For a caller that wrote those bytes' layout itself (``StaticStage.land``); the
+        bytes must be ones this stage claimed and not yet copied.
+        """
+        if self.flushed or not self._open:
+            self._check_open()  # raises: closed or flushed
+        layout = self._layout
+        base = layout.host_base + offset
+        layout.host_bytes[base : base + len(data)] = data  # type: ignore[assignment]  # numpy arrays are buffers
 
     def land(
         self, numel: int, dtype: torch.dtype = torch.int64, *, name: str = "landing"
@@ -298,16 +318,45 @@ class Stage:
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise StagingValueError(f"'{name}' numel must be an int >= 0 (got {numel!r})")
         self._check_open()
-        tail, landing = self._tail, self._landing
-        address, raw = self.reserve_landing(numel * itemsize, name=name)
-        try:
-            addresses = self.put(landing_offsets(numel, dtype) + address, torch.int64, name=name)
-        except BaseException:
-            self._tail, self._landing = tail, landing  # the put did not fit: the landing's bytes go back
-            raise
-        handle = Landing(pool, self.slot, self.generation, pool.slot_fence(self.slot), raw.view(NUMPY_DTYPE[dtype]))
+        # A step repeats its layout: with the same cursor, tail and size, the landing and its
+        # address column land at the same bytes of this slot. They are built once (numpy,
+        # the checks) and kept with the slot's layout; a step then copies the column's bytes
+        # into place, with no numpy call: right after a step's launches numpy's first calls
+        # run cold, and measured ten times their cost alone (2026-11-30).
+        layout = self._layout
+        key = (self._cursor, self._tail, self._capacity, numel, dtype)
+        plan = layout.landings.get(key) if self.owned_device is None else None
+        if plan is None:
+            plan = self._plan_landing(numel, dtype, name)
+            if self.owned_device is None:  # an owned buffer may be another one next time
+                layout.landings.put(key, plan)
+        tail, end, offset, column, addresses, values = plan
+        base = layout.host_base + offset
+        layout.host_bytes[base : base + len(column)] = column
+        self._tail, self._landing, self._end = tail, True, end
+        align = self._align
+        self._cursor = (end + align - 1) // align * align
+        handle = Landing(pool, self.slot, self.generation, pool.slot_fence(self.slot), values)
         self._landings.append(handle)
         return addresses, handle
+
+    def _plan_landing(
+        self, numel: int, dtype: torch.dtype, name: str
+    ) -> tuple[int, int, int, bytes, torch.Tensor, np.ndarray[Any, Any]]:
+        """Where a landing of ``numel`` ``dtype`` goes from the stage's current cursor and tail, checked:
+        (new tail, new end of the copied bytes, the address column's byte offset in the slot, its
+        bytes, its device view, the landing's typed host view). Leaves the stage as it was."""
+        itemsize = LANDING_ITEMSIZE[dtype]
+        tail, landing, cursor, end = self._tail, self._landing, self._cursor, self._end
+        try:
+            address, raw = self.reserve_landing(numel * itemsize, name=name)
+            host, addresses = self.reserve(numel, torch.int64, name=name)  # never spills: raises when it does not fit
+            offset = host.__array_interface__["data"][0] - self._layout.host[torch.uint8].__array_interface__["data"][0]
+            column = landing_offsets(numel, dtype) + address
+            return self._tail, self._end, offset, column.tobytes(), addresses, raw.view(NUMPY_DTYPE[dtype])
+        finally:
+            # Planned only: ``land`` applies the plan.
+            self._tail, self._landing, self._cursor, self._end = tail, landing, cursor, end
 
     def retain(self, *objs: Any) -> None:
         """Keep ``objs`` alive until this slot's fence has passed (rule 5).
