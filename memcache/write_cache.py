@@ -302,7 +302,7 @@ def _batch_meta(
     # Only requests with a prefix are looked at: an empty one is never read (the kernel's
     # prefix loop does not run), so its tensor may be any placeholder.
     prefix = table[1]
-    prefixed = prefix.nonzero()[0]
+    prefixed = prefix.nonzero()[0]  # sync-ok: numpy host array, no device
     rows = prefixed.tolist()  # sync-ok: numpy host array
     kept = [prefix_tensors[i] for i in rows]
     tagged = checked_prefixes(kept, rows, prefix[prefixed].tolist(), req_to_token_pool.device)  # sync-ok: numpy
