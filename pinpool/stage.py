@@ -291,9 +291,19 @@ class Stage:
         """
         if self.flushed or not self._open:
             self._check_open()  # raises: closed or flushed
+        if isinstance(data, np.ndarray) and (data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous):
+            raise StagingTypeError(
+                f"'data' must be bytes or a contiguous 1-D uint8 array (got {data.dtype} {data.shape})"
+            )
+        nbytes = len(data)
+        # The memoryview spans the whole slab: a write past this slot would land in another one.
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset + nbytes > self._tail:
+            raise CapacityError(
+                f"'data' ({nbytes} bytes at offset {offset!r}) must lie in this slot's first {self._tail} bytes"
+            )
         layout = self._layout
         base = layout.host_base + offset
-        layout.host_bytes[base : base + len(data)] = data  # type: ignore[assignment]  # numpy arrays are buffers
+        layout.host_bytes[base : base + nbytes] = data  # type: ignore[assignment]  # numpy arrays are buffers
 
     def land(
         self, numel: int, dtype: torch.dtype = torch.int64, *, name: str = "landing"
@@ -327,7 +337,12 @@ class Stage:
         key = (self._cursor, self._tail, self._capacity, numel, dtype)
         plan = layout.landings.get(key) if self.owned_device is None else None
         if plan is None:
-            plan = self._plan_landing(numel, dtype, name)
+            try:
+                plan = self._plan_landing(numel, dtype, name)
+            except CapacityError:
+                if self._pool.settings.overflow is not OverflowPolicy.SPILL:
+                    raise
+                return self._land_spilled(numel, dtype, name)
             if self.owned_device is None:  # an owned buffer may be another one next time
                 layout.landings.put(key, plan)
         tail, end, offset, column, addresses, values = plan
@@ -337,6 +352,21 @@ class Stage:
         align = self._align
         self._cursor = (end + align - 1) // align * align
         handle = Landing(pool, self.slot, self.generation, pool.slot_fence(self.slot), values)
+        self._landings.append(handle)
+        return addresses, handle
+
+    def _land_spilled(self, numel: int, dtype: torch.dtype, name: str) -> tuple[torch.Tensor, Landing]:
+        """``land`` when the address column does not fit and the pool spills (``overflow='spill'``):
+        the landing at the slot's end as always, its addresses through a spilled put (never cached)."""
+        pool = self._pool
+        tail, landing = self._tail, self._landing
+        address, raw = self.reserve_landing(numel * LANDING_ITEMSIZE[dtype], name=name)
+        try:
+            addresses = self.put(landing_offsets(numel, dtype) + address, torch.int64, name=name)
+        except BaseException:
+            self._tail, self._landing = tail, landing  # nothing taken
+            raise
+        handle = Landing(pool, self.slot, self.generation, pool.slot_fence(self.slot), raw.view(NUMPY_DTYPE[dtype]))
         self._landings.append(handle)
         return addresses, handle
 

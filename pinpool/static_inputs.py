@@ -350,8 +350,14 @@ class StaticStage:
                 f"(got rows={image.rows}, live={image.live}"
                 f"{'' if image.block is self._block else ', of another block'})"
             )
+        data = image.data  # a public attribute: checked, as a size mismatch would write past the block
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != self._host_raw.shape:
+            raise StagingValueError(
+                f"'image.data' must be uint8 of the layout's {self._host_raw.shape[0]} bytes "
+                f"(got {getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')})"
+            )
         # The block's bytes are the stage's first claim (offset 0): a memcpy, no numpy call (see land).
-        self.stage.write_host(0, image.data)
+        self.stage.write_host(0, data)
         self._written = self._block.all_written
         self.padded = True
 

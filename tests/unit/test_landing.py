@@ -369,3 +369,31 @@ def test_the_sampler_refuses_a_bad_land_to_before_sampling() -> None:
     for bad in (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
         with pytest.raises(BatchMismatchError, match=r"'land_to' must be contiguous torch\.int64"):
             Sampler()(logits, info, land_to=bad)
+
+
+def test_a_landing_whose_addresses_do_not_fit_spills_them_when_the_pool_spills() -> None:
+    """Catches land() refusing what a spilling pool accepted before (its addresses through a spilled put)."""
+    pool = PinnedRingBuffer(
+        PoolSettings(device="cpu", num_slots=2, slot_bytes=SLOT_BYTES, zero_copy=True, overflow="spill")
+    )
+    with pool.stage() as st:
+        st.put(list(range(100)), torch.int64)
+        addresses, handle = st.land(16)
+        assert st.spilled
+        st.flush()
+        land(torch.arange(16, dtype=torch.int64) + 70, addresses)
+    assert handle.tolist() == list(range(70, 86))
+
+
+def test_an_image_of_another_size_is_refused_and_never_written_past_the_block() -> None:
+    """Catches put_image copying a resized HostImage.data past the layout (into the next slot) or
+    leaving part of the layout stale."""
+    pool, block = cpu_block(num_slots=2)
+    image = block.host_image(4, 2)
+    for data in (np.full(image.data.shape[0] + 64, 0xAB, np.uint8), np.zeros(8, np.uint8)):
+        image.data = data
+        with pytest.raises(StagingValueError, match=r"'image\.data' must be uint8"), block.stage(4, 2) as st:
+            st.put_image(image)
+    assert pool.stats().aborted_stages == 2
+    with pool.stage() as st, pytest.raises(CapacityError, match="must lie in this slot"):
+        st.write_host(SLOT_BYTES - 4, b"12345678")
