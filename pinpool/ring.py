@@ -107,6 +107,8 @@ class PinnedRingBuffer:
             BoundedCache() for _ in range(num_slots)
         ]
         self._consumers: list[tuple[Stream, list[Fence]]] = []
+        #: Streams teardown waits for besides the slots' last users and the consumers.
+        self._teardown_streams: list[Stream] = []
         #: The start-up platform check and, when it passed, each slot's layout whose device
         #: views alias its pinned host region (UVA): built once, like the copy layouts.
         self.platform = PlatformReport.unchecked()
@@ -273,6 +275,17 @@ class PinnedRingBuffer:
     def slot_generation(self, slot: int) -> int:
         """The generation of the claim that holds ``slot`` now (a lease is live while it matches)."""
         return self._slot_generation[slot]
+
+    def drain_at_teardown(self, stream: Stream) -> None:
+        """Have ``close()`` and a dropped pool also wait for ``stream``'s queued work.
+
+        For streams that touch the slots outside the consumer guard: a ``StaticInputs``
+        block's registered readers, whose replays may still store into a slot (landings)
+        when the pool goes away.
+        """
+        stream = self._transport.resolve_stream(stream)
+        if not any(self._transport.same_stream(stream, s) for s in self._teardown_streams):
+            self._teardown_streams.append(stream)
 
     def slot_fence(self, slot: int) -> Fence:
         """The fence of ``slot``: recorded when its current claim closes (a ``Landing`` waits on it)."""
@@ -533,7 +546,7 @@ class PinnedRingBuffer:
         """
         transport = self._transport
         streams: list[Stream] = []
-        for stream in [*self._last_stream, *(c for c, _ in self._consumers)]:
+        for stream in [*self._last_stream, *(c for c, _ in self._consumers), *self._teardown_streams]:
             if not any(transport.same_stream(stream, seen) for seen in streams):
                 streams.append(stream)
         fences = list(self._fences)

@@ -166,6 +166,8 @@ class StaticInputs:
         self._readers.append(stream)
         self._read_fences.append(self._transport.new_fence())
         self._note_stream(stream)
+        # A replay there may store into a slot (a landing): the pool's teardown waits for it.
+        self.pool.drain_at_teardown(stream)
 
     @property
     def readers(self) -> tuple[Stream, ...]:

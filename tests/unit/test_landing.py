@@ -397,3 +397,38 @@ def test_an_image_of_another_size_is_refused_and_never_written_past_the_block() 
     assert pool.stats().aborted_stages == 2
     with pool.stage() as st, pytest.raises(CapacityError, match="must lie in this slot"):
         st.write_host(SLOT_BYTES - 4, b"12345678")
+
+
+@pytest.mark.parametrize("registered", [True, False], ids=["drained", "control-not-drained"])
+def test_a_pool_dropped_mid_step_waits_for_a_replay_on_a_block_reader(
+    registered: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches teardown freeing the slab while a replay queued on a block's reader stream may still
+    store into it (a landing): the stage is still open, so no fence of the slot follows that replay.
+    The control drops the reader from the teardown list: teardown then never waits on it."""
+    gpu = LaggingGpu(max_lag=0, seed=1)
+    pool = PinnedRingBuffer(
+        PoolSettings(device="cpu", num_slots=2, slot_bytes=SLOT_BYTES, zero_copy=True), transport=gpu
+    )
+    if not registered:
+        monkeypatch.setattr(PinnedRingBuffer, "drain_at_teardown", lambda self, stream: None)
+    block = StaticInputs(pool, FIELDS, max_rows=MAX_ROWS)
+    replay = gpu.new_stream("replay")
+    block.register_reader(replay)
+    st = block.stage(4, 2)
+    st.put("x", [1, 2])
+    st.land("dst")
+    st.flush()
+    ran: list[bool] = []
+    gpu.frozen = True  # the device runs only when the host waits
+    gpu.submit(replay, lambda: ran.append(True), "kernel")
+    before = len(gpu.calls)
+    pool.__del__()  # what the garbage collector does when an engine is torn down mid-step
+    # Teardown's wait covers the replay stream: a fence recorded at its end, then waited on.
+    # (The device may run the replay anyway while teardown waits on other streams: only the
+    # fence says it was waited for.)
+    waited_on_replay = ("cudaEventRecord", "replay") in gpu.calls[before:]
+    assert waited_on_replay == registered
+    assert not registered or ran == [True]
+    gpu.frozen = False
+    gpu.drain()
