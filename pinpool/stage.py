@@ -40,6 +40,17 @@ LANDING_TAG = {torch.int64: 0, torch.int32: 1, torch.float32: 2}
 _OFFSETS: BoundedCache[tuple[int, int], np.ndarray[Any, Any]] = BoundedCache()
 
 
+def landing_itemsize(pool: PinnedRingBuffer, dtype: torch.dtype) -> int:
+    """The size of a landed ``dtype`` value, once the pool's kernels may write its slots; typed errors else."""
+    if not pool.can_land:
+        raise pool.platform.refusal(pool.device)  # PoolStateError / PlatformError, saying why
+    itemsize = LANDING_ITEMSIZE.get(dtype)
+    if itemsize is None:
+        known = list(map(str, LANDING_ITEMSIZE))
+        raise StagingTypeError(f"'dtype' of a landing must be one of {known} (got {dtype})")
+    return itemsize
+
+
 def landing_offsets(numel: int, dtype: torch.dtype) -> np.ndarray[Any, Any]:
     """int64 [numel]: each value's byte offset in a landing plus its dtype tag, cached (the same every step)."""
     offsets = _OFFSETS.get((numel, LANDING_TAG[dtype]))
@@ -318,13 +329,7 @@ class Stage:
         handle reads the values after a successful close, within ``num_slots - 1``
         further claims. Needs ``pool.can_land`` (``PoolSettings(zero_copy=True)``).
         """
-        pool = self._pool
-        if not pool.can_land:
-            raise pool.platform.refusal(pool.device)  # PoolStateError / PlatformError, saying why
-        itemsize = LANDING_ITEMSIZE.get(dtype)
-        if itemsize is None:
-            known = list(map(str, LANDING_ITEMSIZE))
-            raise StagingTypeError(f"'dtype' of a landing must be one of {known} (got {dtype})")
+        landing_itemsize(self._pool, dtype)  # raises where kernels may not write the slots, or for the dtype
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise StagingValueError(f"'{name}' numel must be an int >= 0 (got {numel!r})")
         self._check_open()
@@ -351,14 +356,18 @@ class Stage:
         self._tail, self._landing, self._end = tail, True, end
         align = self._align
         self._cursor = (end + align - 1) // align * align
-        handle = Landing(pool, self.slot, self.generation, pool.slot_fence(self.slot), values)
+        handle = self.landing_handle(values)
         self._landings.append(handle)
         return addresses, handle
+
+    def landing_handle(self, values: np.ndarray[Any, Any]) -> Landing:
+        """The handle that reads ``values`` (a landing's typed host view) after this slot's fence."""
+        pool = self._pool
+        return Landing(pool, self.slot, self.generation, pool.slot_fence(self.slot), values)
 
     def _land_spilled(self, numel: int, dtype: torch.dtype, name: str) -> tuple[torch.Tensor, Landing]:
         """``land`` when the address column does not fit and the pool spills (``overflow='spill'``):
         the landing at the slot's end as always, its addresses through a spilled put (never cached)."""
-        pool = self._pool
         tail, landing = self._tail, self._landing
         address, raw = self.reserve_landing(numel * LANDING_ITEMSIZE[dtype], name=name)
         try:
@@ -366,7 +375,7 @@ class Stage:
         except BaseException:
             self._tail, self._landing = tail, landing  # nothing taken
             raise
-        handle = Landing(pool, self.slot, self.generation, pool.slot_fence(self.slot), raw.view(NUMPY_DTYPE[dtype]))
+        handle = self.landing_handle(raw.view(NUMPY_DTYPE[dtype]))
         self._landings.append(handle)
         return addresses, handle
 

@@ -40,7 +40,7 @@ from pinpool.exceptions import PoolStateError, SettingsError, StagingTypeError, 
 from pinpool.readback import Landing, Readback
 from pinpool.ring import PinnedRingBuffer
 from pinpool.slots import BoundedCache
-from pinpool.stage import LANDING_ITEMSIZE, Stage, landing_offsets
+from pinpool.stage import Stage, landing_itemsize, landing_offsets
 from pinpool.transport import Fence, Stream
 
 #: Each field's first byte is aligned to this, whatever the dtypes around it.
@@ -450,12 +450,7 @@ class StaticStage:
                 f"pad {f.pad!r})"
             )
         pool = block.pool
-        if not pool.can_land:
-            raise pool.platform.refusal(pool.device)  # PoolStateError / PlatformError, saying why
-        if dtype not in LANDING_ITEMSIZE:
-            known = list(map(str, LANDING_ITEMSIZE))
-            raise StagingTypeError(f"'dtype' of a landing must be one of {known} (got {dtype})")
-        itemsize = LANDING_ITEMSIZE[dtype]
+        itemsize = landing_itemsize(pool, dtype)
         live, st = self.live, self.stage
         start = st.claim_landing(live * itemsize, name=name)
         # A step repeats (slot, landing offset, rows, live, dtype): the address column's
@@ -473,7 +468,7 @@ class StaticStage:
         st.write_host(offset, column)
         self._written |= 1 << i
         self._landed |= 1 << i
-        handle = Landing(pool, st.slot, st.generation, pool.slot_fence(st.slot), values)
+        handle = st.landing_handle(values)
         self._landings.append(handle)
         return handle
 
