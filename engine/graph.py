@@ -8,10 +8,10 @@ are the same in every mode, so token streams can be compared across modes.
 
 Tokens never travel through the host between steps: ``tokens_by_row[row]`` holds each
 request's newest token on the device. A graph reads its input tokens from there and
-writes the sampled ones back (and into ``out_tokens``, which the loop reads back, or
-which ``land_tokens`` stores straight into the step's pinned slot), and a prefill writes
-its requests' first tokens there too. Padding rows point at a reserved
-request row and KV slot 0, so what they compute lands where no request reads.
+writes the sampled ones back, and either into ``out_tokens``, which the loop reads back,
+or (``land_tokens``) straight into the step's pinned slot, stored by the sampler's own
+kernel. A prefill writes its requests' first tokens there too. Padding rows point at a
+reserved request row and KV slot 0, so what they compute lands where no request reads.
 
 ``capture=False`` runs the same step as plain calls: the CPU path of the tests, and the
 eager twin the graph's tokens are compared with.
@@ -26,7 +26,6 @@ import torch
 
 from engine.model import KVCache, SleepModel, TinyDecoder
 from pinpool import PinnedRingBuffer, StaticField, StaticInputs
-from pinpool.landing import land
 from sampling import Sampler
 from sampling.static import SAMPLING_FIELDS, StaticSamplingInfo
 
@@ -134,11 +133,14 @@ class DecodeGraphs:
         info = self._infos.get(rows)
         if info is None:
             info = self._infos[rows] = StaticSamplingInfo(views, rows, self.vocab_size)
-        new_tokens = self._sampler(logits, info, positions)
+        # Landing: the sampler stores each token straight into the step's slot itself (its
+        # draw kernel, or pinpool.landing.land after the other paths): no read-back copy,
+        # and no copy into out_tokens, which only a read-back reads.
+        land_to = views["token_dst"] if self.land_tokens else None
+        new_tokens = self._sampler(logits, info, positions, land_to=land_to)
         self.tokens_by_row[req_rows] = new_tokens  # padding rows all write the reserved row
-        self.out_tokens[:rows].copy_(new_tokens)
-        if self.land_tokens:
-            land(self.out_tokens[:rows], views["token_dst"])  # straight into the step's slot: no read-back copy
+        if land_to is None:
+            self.out_tokens[:rows].copy_(new_tokens)
         if self.check_steps:
             step = views["step"][:1].clamp(0, CHECK_STEPS - 1)  # padding-only capture: -1 -> 0
             self.seen_steps.index_copy_(0, step, views["step"][:1])

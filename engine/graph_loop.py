@@ -287,14 +287,12 @@ class GraphEngine(Engine):
             if self._lag is not None:
                 torch.cuda._sleep(self._lag.randrange(self.graph_cfg.lag_cycles))
             if self.record_gpu:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
+                start = self.gpu_mark()
             with self.phases("replay"):
                 self.graphs.replay(rows)
             self.replays += 1
             if self.record_gpu:
-                end.record()
-                self.times.gpu_events.append((start, end))
+                self.times.gpu_events.append((start, self.gpu_mark()))
             with self.staging("decode.readback"), self.phases("readback"):
                 out = self.graphs.out_tokens[:bs]
                 if landing is not None:

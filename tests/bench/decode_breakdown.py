@@ -87,6 +87,60 @@ def profile_pool(running: int) -> str:
     return out.getvalue()
 
 
+def pool_calls(mode: str, running: int, steps: int = 60) -> str:
+    """Median µs per step of each pool call of the decode exchange, in the loop as it runs."""
+    from engine import readback as engine_readback
+    from pinpool import ring, stage
+
+    spent: dict[str, float] = {}
+    patched: list[tuple[object, str, object]] = []
+
+    def wrap(owner: object, attr: str, label: str) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - start
+
+        patched.append((owner, attr, fn))
+        setattr(owner, attr, timed)
+
+    for owner, attr in (
+        (ring.PinnedRingBuffer, "stage"),
+        (stage.Stage, "put"),
+        (stage.Stage, "land"),
+        (stage.Stage, "flush"),
+        (stage.Stage, "close"),
+        (stage.Stage, "readback"),
+        (engine_readback.TokenReader, "wrap"),
+    ):
+        wrap(owner, attr, f"{owner.__name__}.{attr}")  # type: ignore[attr-defined]
+    try:
+        engine = _engine(mode, DEV, running, 0.0, 0.0)
+        wrap(engine, "_launch_decode", "launch")
+        engine.submit(_requests(running, steps, seed=1))
+        samples: dict[str, list[float]] = {}
+        seen = 0
+        while engine.busy:
+            spent.clear()
+            if engine.step() != "decode":
+                continue
+            seen += 1
+            if seen <= 3:
+                continue
+            for k, v in spent.items():
+                samples.setdefault(k, []).append(v * 1e6)
+        _sync()
+    finally:
+        for owner, attr, fn in patched:
+            if isinstance(owner, type):
+                setattr(owner, attr, fn)
+    return f"{running:7d} {mode:8s} " + "  ".join(f"{k} {statistics.median(v):.1f}" for k, v in sorted(samples.items()))
+
+
 def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     for mode in MODES:  # warm-up: kernels compile once
@@ -99,6 +153,11 @@ def main() -> None:
                 r = per_step(mode, running, drain)
                 cells = "  ".join(f"{r.get(s, float('nan')):15.1f}" for s in (*SITES, "wall"))
                 print(f"{running:7d} {mode:11s} {'drained' if drain else 'loop':8s}  {cells}   {iso:8.1f}")
+    print("\n######## each pool call of the decode exchange, median µs per step in the loop")
+    print("(launch: the step's kernels, for scale)")
+    for running in (64, 256):
+        for mode in ("pool", READ_BACK, "pinned"):
+            print(pool_calls(mode, running), flush=True)
     print("\n######## cProfile, pool mode, 64 running, 40 steps\n" + profile_pool(64))
 
 

@@ -165,8 +165,9 @@ def test_a_decode_step_lands_live_rows_then_padding_in_the_padded_views(mode: Gr
             assert views[name][:bs].tolist() == values.tolist(), name
         for f in graphs.block.fields:
             assert (views[f.name][bs:] == f.pad).all(), f"padding of {f.name}"
-        # The sampled tokens went back by request row (the next step's input tokens).
-        out = graphs.out_tokens[:bs].tolist()
+        # The sampled tokens went back by request row (the next step's input tokens), and
+        # the loop reads the same ones (landed in the slot, or read back from out_tokens).
+        out = engine.pending[0]()
         assert graphs.tokens_by_row[live_rows].tolist() == out
         assert engine.pad_row not in live_rows
 
