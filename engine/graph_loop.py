@@ -157,7 +157,7 @@ class GraphEngine(Engine):
         # One request row is reserved for padding: it is never handed to a request.
         self.pad_row = self.rtt.alloc(1)[0]
         if mode == "pool":
-            self.kv = HostKVAllocator(cfg.kv_slots)  # type: ignore[assignment]
+            self.kv = self.host_kv = HostKVAllocator(cfg.kv_slots)  # type: ignore[assignment]
             #: int64 [rows, max_context_len]: the KV slot of each (row, position), on the host.
             self.slot_of = np.zeros((self.rtt.size, model_cfg.max_context_len), dtype=np.int64)
         elif self.forward_stream is not None:
@@ -320,9 +320,9 @@ class GraphEngine(Engine):
         batch = self._batch
         if batch is None:
             batch = self._batch = _HostBatch(reqs, block, rows)
-        slots = self.kv.alloc(bs)
+        slots = batch.slots
+        self.host_kv.alloc_into(slots)  # straight into the image: the step's KV slots
         positions = batch.positions
-        batch.slots[:] = slots
         try:
             st = block.stage(rows, bs, stream=self.upload_stream)
         except BaseException:

@@ -17,7 +17,14 @@ from memcache.exceptions import AllocationError
 
 
 class HostKVAllocator:
-    """KV slots 1..size on a host stack; slot 0 is reserved as padding. Nothing touches the device."""
+    """KV slots 1..size on a host stack; slot 0 is reserved as padding. Nothing touches the device.
+
+    The free slots are ``stack[:top]``; ``where[s]`` is slot s's last place in the stack, so
+    s is free exactly when ``where[s] < top`` and ``stack[where[s]] == s``. An allocation
+    then only moves ``top`` down and copies the slots out: one numpy operation per decode
+    step, where an in-use bitmap cost a second one (right after a step's launches each
+    numpy call runs cold, several µs). Freeing (a finished request, rare) pays the check.
+    """
 
     def __init__(self, size: int) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -26,25 +33,28 @@ class HostKVAllocator:
         # A stack whose top is the end: alloc takes the last n, free appends.
         self._stack = np.arange(size, 0, -1, dtype=np.int64)
         self._top = size
-        self._in_use = np.zeros(size + 1, dtype=np.bool_)
+        self._where = np.zeros(size + 1, dtype=np.int64)
+        self._where[self._stack] = np.arange(size)
+        self._where[0] = size  # slot 0 is never free (never handed out, never taken back)
 
     def available_size(self) -> int:
         return self._top
 
     def alloc(self, n: int) -> np.ndarray[Any, Any]:
         """int64 [n] slot indices (a fresh array), or ``AllocationError`` with nothing taken."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise AllocationError(f"'n' must be an int >= 0 (got {n!r})")
-        if n > self._top:
-            raise AllocationError(
-                f"'n' asks for {n} KV slots but only {self._top} of {self.size} are free; "
-                "finish or preempt requests first, or build a larger KV pool"
-            )
-        top = self._top - n
-        taken = self._stack[top : self._top][::-1].copy()
-        self._top = top
-        self._in_use[taken] = True
+        taken = np.empty(self._check_n(n), dtype=np.int64)
+        self.alloc_into(taken)
         return taken
+
+    def alloc_into(self, out: np.ndarray[Any, Any]) -> None:
+        """Write ``len(out)`` fresh slot indices into ``out`` (int64 [n], the caller's: a staged
+        image's column, say); ``AllocationError`` with nothing taken and ``out`` untouched."""
+        if not isinstance(out, np.ndarray) or out.ndim != 1 or out.dtype != np.int64:
+            raise AllocationError(f"'out' must be a 1-D int64 numpy array (got {type(out).__name__})")
+        n = self._check_n(out.shape[0])
+        top = self._top - n
+        out[:] = self._stack[top : self._top][::-1]
+        self._top = top
 
     def free(self, slots: np.ndarray[Any, Any]) -> None:
         """Return slots (int [k]); every slot is checked before any is freed (all or nothing)."""
@@ -55,8 +65,21 @@ class HostKVAllocator:
             return
         if int(slots.min()) < 1 or int(slots.max()) > self.size:
             raise AllocationError(f"'slots' must lie in [1, {self.size}] (got {int(slots.min())}..{int(slots.max())})")
-        if not self._in_use[slots].all() or np.unique(slots).shape[0] != k:
+        where = self._where[slots]
+        free_now = (where < self._top) & (self._stack[np.minimum(where, self.size - 1)] == slots)
+        if free_now.any() or np.unique(slots).shape[0] != k:
             raise AllocationError("'slots' holds a slot that is not in use, or one twice (double free)")
-        self._in_use[slots] = False
-        self._stack[self._top : self._top + k] = slots
-        self._top += k
+        top = self._top
+        self._stack[top : top + k] = slots
+        self._where[slots] = np.arange(top, top + k)
+        self._top = top + k
+
+    def _check_n(self, n: int) -> int:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise AllocationError(f"'n' must be an int >= 0 (got {n!r})")
+        if n > self._top:
+            raise AllocationError(
+                f"'n' asks for {n} KV slots but only {self._top} of {self.size} are free; "
+                "finish or preempt requests first, or build a larger KV pool"
+            )
+        return n

@@ -202,15 +202,26 @@ class _CudaFence(torch.cuda.Event):
     ``cudaEventSynchronize`` may be called from any device (ATen's ``CUDAEvent.h``).
     """
 
+    #: Seen passed since its last record. An event's state changes only when it is
+    #: recorded again, so a passed fence answers later queries without a CUDA call: a
+    #: decode loop reads step N's tokens (one query) and claims the same slot again some
+    #: steps later (a second query of the same record) for one cudaEventQuery, not two.
+    passed = True  # never recorded: cudaEventQuery says passed too
+
     def record(self, stream: Stream = None) -> None:
+        self.passed = False
         _record(self, stream)
 
     def query(self) -> bool:
-        return bool(_query(self))
+        if self.passed:
+            return True
+        passed = self.passed = bool(_query(self))
+        return passed
 
     def synchronize(self) -> None:
         refuse_explicit_sync("a pool fence's synchronize()")
         _synchronize(self)  # sync-ok: callers wait only on a fence they queried as pending
+        self.passed = True
 
 
 class CudaTransport:

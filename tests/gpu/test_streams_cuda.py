@@ -123,7 +123,7 @@ def _api_calls(fn: object) -> dict[str, int]:
         torch.cuda.synchronize()
     counts: dict[str, int] = {}
     for event in prof.events():
-        for call in ("cudaMemcpyAsync", "cudaEventRecord", "cudaStreamWaitEvent"):
+        for call in ("cudaMemcpyAsync", "cudaEventRecord", "cudaStreamWaitEvent", "cudaEventQuery"):
             if event.name.startswith(call):
                 counts[call] = counts.get(call, 0) + 1
     return counts
@@ -196,3 +196,25 @@ def test_a_stream_of_the_other_device_is_refused() -> None:
     with pytest.raises(DeviceMismatchError, match="'stream' must be on the pool's device cuda:1"):
         pool.stage(stream=torch.cuda.Stream(device=0))
     assert pool.claims == 0
+
+
+def test_a_fence_seen_passed_skips_its_query_until_it_is_recorded_again() -> None:
+    """Catches the passed-fence memo outliving a new record (a slot reused while its copy is still
+    queued) and a memo that does not save the query it exists for."""
+    pool = _pool()
+    fence = pool.transport.new_fence()
+    side = torch.cuda.Stream()
+    for _ in range(2):
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(LAG)
+        fence.record(side)
+        assert not fence.query()  # recorded behind 10 ms of sleep: pending, memo or not
+        side.synchronize()
+        assert fence.query()
+        calls = _api_calls(lambda: [fence.query() for _ in range(10)])
+        assert calls.get("cudaEventQuery", 0) == 0
+    # Control: the profiler sees the queries of a plain event, so the 0 above is a saving.
+    plain = torch.cuda.Event()
+    plain.record(side)
+    side.synchronize()
+    assert _api_calls(lambda: [plain.query() for _ in range(10)]).get("cudaEventQuery", 0) == 10

@@ -211,3 +211,26 @@ def test_random_alloc_free_sequence_keeps_the_books() -> None:
         assert np.unique(everything).size == everything.size  # no slot held twice
         assert everything.size == 0 or (everything.min() >= 1 and everything.max() <= size)
     assert in_use(kv) == {int(s) for c in held for s in c}
+
+
+def test_alloc_into_writes_the_callers_array_and_a_refusal_leaves_it_and_the_books_alone() -> None:
+    """Catches alloc_into taking slots without writing them where the caller stages them, handing
+    out a slot twice with alloc, or a refused call (too many, wrong array) that takes slots or
+    scribbles on the caller's array."""
+    kv = HostKVAllocator(10)
+    image = np.full((2, 4), -7, dtype=np.int64)
+    kv.alloc_into(image[1])
+    got = image[1].tolist()
+    assert (image[0] == -7).all() and len(set(got)) == 4 and 0 not in got
+    rest = kv.alloc(6)
+    assert set(got).isdisjoint(rest.tolist())
+    before = image.copy()
+    with pytest.raises(AllocationError, match="asks for 4"):
+        kv.alloc_into(image[0])
+    with pytest.raises(AllocationError, match="'out'"):
+        kv.alloc_into(np.zeros(2, dtype=np.int32))
+    assert (image == before).all() and kv.available_size() == 0
+    kv.free(image[1].copy())
+    with pytest.raises(AllocationError, match="double free"):
+        kv.free(image[1].copy())
+    assert kv.available_size() == 4
