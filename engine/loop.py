@@ -109,6 +109,7 @@ class Engine:
         self.arange = torch.arange(cfg.max_running + 1, device=device)
         self.times = StepTimes()
         self.record_gpu = False
+        self._halves_of: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.waiting: deque[Request] = deque()
         self.pending: tuple[Pending, list[Request]] | None = None
         self.iteration = 0
@@ -273,7 +274,7 @@ class Engine:
                     # positions in the pinned slot; they are launched before the read-back
                     # and the close, so the slot's fence, recorded at close, follows them.
                     exchange = self.pool.stage(zero_copy=self.zero_copy)
-                    rows_d, positions_d = exchange.put(rows, torch.int64), exchange.put(positions, torch.int64)
+                    rows_d, positions_d = self._halves(exchange.put(rows + positions, torch.int64), bs)
                     if self.land_tokens:
                         # Where the sampler stores each token in this slot: no read-back copy.
                         land_to, landing = exchange.land(bs)
@@ -297,6 +298,20 @@ class Engine:
         finally:
             if exchange is not None:
                 exchange.close(ok=ok)  # a no-op after the close above
+
+    def _halves(self, both: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows and positions: the two halves of the step's one put (one put a step, not two).
+
+        The pool hands out the same view for the same slot and size step after step, so
+        its halves are kept too (slicing twice a step costs about what the second put did).
+        Keyed by the view's id, with the view kept in the entry so an id is never reused.
+        """
+        hit = self._halves_of.get(id(both))
+        if hit is None or hit[0] is not both:
+            if len(self._halves_of) >= 64:  # a slot and a batch size each; a spilled put is new each time
+                self._halves_of.clear()
+            hit = self._halves_of[id(both)] = (both, both[:bs], both[bs:])
+        return hit[1], hit[2]
 
     def _launch_decode(
         self,

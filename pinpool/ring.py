@@ -74,6 +74,7 @@ class PinnedRingBuffer:
                 f"'transport' must serve the settings' device {self.settings.device} (got {self._transport.device})"
             )
         slot_bytes, num_slots = self.settings.slot_bytes, self.settings.num_slots
+        self._num_slots = num_slots
         self.host_slab = self._transport.alloc_host(slot_bytes * num_slots)
         self.device_mirror = self._transport.alloc_device(slot_bytes * num_slots)
         host_bytes = self.host_slab.numpy().data  # the whole slab as a writable memoryview
@@ -347,21 +348,26 @@ class PinnedRingBuffer:
         if ok and not st.flushed:
             self.issue_copy(st)
         counters.stages += 1
-        if st.used_bytes == 0 and not st.copy_issued and not st.landings:
+        landings = st.landings
+        if not (landings or st.copy_issued or st.used_bytes):
             return  # nothing in flight: the slot is free for the next claim as it is
-        if st.landings:
+        slot = st.slot
+        if landings:
             # Kernels store into the slot (``Stage.land``), on the stage's stream or a
             # registered consumer: the fence follows them all, as a zero-copy stage's does,
             # even after a read-back's fence (the writers may have been launched after it).
-            self._fence_readers(st)
+            if self._consumers:
+                self._fence_readers(st)
+            else:
+                self._fences[slot].record(st.stream)  # _fence_readers with no consumer
             if self.settings.debug and ok:
                 refuse_unregistered_reader(self._transport, st, [consumer for consumer, _ in self._consumers])
         elif not st.read_back:
             # Rule 1, on the stage's fixed stream: wherever the stage is closed, the fence
             # follows its copy. (After a stage read-back the fence is already recorded
             # after every copy of the stage.)
-            self._fences[st.slot].record(st.stream)
-        self._next_slot = (st.slot + 1) % self.settings.num_slots
+            self._fences[slot].record(st.stream)
+        self._next_slot = (slot + 1) % self._num_slots
         if st.owned:
             counters.owned_stages += 1
         if not ok:

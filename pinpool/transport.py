@@ -291,10 +291,10 @@ class CudaTransport:
         device's guard; switching streams is skipped when ``stream`` already is current.
         """
         if _current_stream_of(self.index)[0] == stream.stream_id:
-            dst.copy_(src, non_blocking=True)
+            dst.copy_(src, True)  # non_blocking, passed by position: torch's argument parser is cheaper so
             return
         with use_stream(stream):
-            dst.copy_(src, non_blocking=True)
+            dst.copy_(src, True)
 
     def stream_wait(self, waiter: Stream, fence: Fence) -> None:
         waiter.wait_event(fence)

@@ -90,7 +90,8 @@ def profile_pool(running: int) -> str:
 def pool_calls(mode: str, running: int, steps: int = 60) -> str:
     """Median µs per step of each pool call of the decode exchange, in the loop as it runs."""
     from engine import readback as engine_readback
-    from pinpool import ring, stage
+    from engine import uploader
+    from pinpool import readback, ring, stage, transport
 
     spent: dict[str, float] = {}
     patched: list[tuple[object, str, object]] = []
@@ -116,6 +117,12 @@ def pool_calls(mode: str, running: int, steps: int = 60) -> str:
         (stage.Stage, "close"),
         (stage.Stage, "readback"),
         (engine_readback.TokenReader, "wrap"),
+        (engine_readback.TokenReader, "start"),
+        (uploader.Uploader, "upload"),
+        (transport.CudaTransport, "copy"),
+        (transport._CudaFence, "record"),
+        (transport._CudaFence, "query"),
+        (readback.Readback, "tolist"),
     ):
         wrap(owner, attr, f"{owner.__name__}.{attr}")  # type: ignore[attr-defined]
     try:
@@ -156,7 +163,7 @@ def main() -> None:
     print("\n######## each pool call of the decode exchange, median µs per step in the loop")
     print("(launch: the step's kernels, for scale)")
     for running in (64, 256):
-        for mode in ("pool", READ_BACK, "pinned"):
+        for mode in ("pool", READ_BACK, "pool-zc", "pinned"):
             print(pool_calls(mode, running), flush=True)
     print("\n######## cProfile, pool mode, 64 running, 40 steps\n" + profile_pool(64))
 

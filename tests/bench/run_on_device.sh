@@ -63,7 +63,7 @@ for diag in ${PINPOOL_DIAG:-}; do
 done
 # Unit tests run the Triton kernels through the interpreter on CPU tensors, as CI does, but
 # with this machine's triton: last, since CI runs them too.
-TRITON_INTERPRET=1 box 150 python3 -m pytest tests/unit -q -p no:cacheprovider 2>&1 | tee "$LOGS/unit_tests.log" | tail -2
+TRITON_INTERPRET=1 box 180 python3 -m pytest tests/unit -q -p no:cacheprovider 2>&1 | tee "$LOGS/unit_tests.log" | tail -2
 unit_rc=${PIPESTATUS[0]}
 old_line=skipped
 if [ "$old_rc" != skipped ]; then
