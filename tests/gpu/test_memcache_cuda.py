@@ -100,3 +100,25 @@ def test_prefixes_freed_right_after_the_call_do_not_corrupt(monkeypatch: pytest.
 def test_control_without_retain_the_prefixes_are_clobbered(monkeypatch: pytest.MonkeyPatch) -> None:
     """Catches a lifetime test whose set-up could never expose the hazard."""
     assert not _free_prefixes_while_lagging(False, monkeypatch)
+
+
+def test_the_kept_kernel_is_chosen_by_dtype_and_alignment_call_after_call() -> None:
+    """Catches the launcher's kept kernels (launch_checked skips Triton's JIT entry after the
+    first call per key) running a kernel built for another out_cache_loc dtype or pointer
+    alignment: each call here alternates int32 / int64 slots and 16-byte-aligned / offset
+    views, repeatedly, and is compared with the reference writer."""
+    rng = random.Random(7)
+    p = pool()
+    for rep in range(3):
+        for dtype in (torch.int64, torch.int32):
+            for shift in (0, 1):
+                case = make_case(rng, 37, 64)
+                slots = case["out_cache_loc"].to(dtype)
+                backing = torch.empty(slots.numel() + shift, dtype=dtype, device=DEV)
+                backing[shift:] = slots
+                case["out_cache_loc"] = backing[shift:]  # shift 1: 4 or 8 bytes off 16-byte alignment
+                want = ReqToTokenPool(64, MAX_LEN, DEV)
+                got = ReqToTokenPool(64, MAX_LEN, DEV)
+                write_cache_indices(req_to_token_pool=want, pool=p, backend="torch", **case)
+                write_cache_indices(req_to_token_pool=got, pool=p, backend="triton", **case)
+                assert torch.equal(got.req_to_token, want.req_to_token), (rep, dtype, shift)
