@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from memcache import CacheIndexError, ReqToTokenPool, write_cache, write_cache_indices
-from memcache.prefix_check import CHECKED, checked_prefixes
+from memcache.prefix_check import checked_attr, checked_prefixes
 from pinpool import PinnedRingBuffer, PoolSettings
 
 MAX_LEN = 64
@@ -64,7 +64,7 @@ def test_a_forged_check_on_something_else_than_a_tensor_is_refused() -> None:
         pass
 
     fake = Forged()
-    setattr(fake, CHECKED, (4096, torch.int32, -1, bytes(8), 64))
+    setattr(fake, checked_attr(torch.device("cpu")), (4096, torch.int32, bytes(8), 64))
     with pytest.raises(CacheIndexError, match=r"prefix_tensors\[0\]' must be an int32 or int64 tensor.*Forged"):
         call(ReqToTokenPool(4, MAX_LEN, "cpu"), **one_request(fake, 4))
 
