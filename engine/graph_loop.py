@@ -338,8 +338,10 @@ class GraphEngine(Engine):
                 self.expected_positions.append(int(positions[0]))  # sync-ok: numpy on the host, no device
             st.flush()
         except BaseException:
-            st.close(ok=False)
-            self.kv.free(slots)  # the step never ran: its KV slots go back
+            try:
+                st.close(ok=False)
+            finally:
+                self.kv.free(slots)  # the step never ran: its KV slots go back, even if close raised
             raise
         self.slot_of[batch.rows, positions] = slots
         positions += 1  # in the image: the next step's positions

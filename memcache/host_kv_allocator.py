@@ -49,8 +49,8 @@ class HostKVAllocator:
     def alloc_into(self, out: np.ndarray[Any, Any]) -> None:
         """Write ``len(out)`` fresh slot indices into ``out`` (int64 [n], the caller's: a staged
         image's column, say); ``AllocationError`` with nothing taken and ``out`` untouched."""
-        if not isinstance(out, np.ndarray) or out.ndim != 1 or out.dtype != np.int64:
-            raise AllocationError(f"'out' must be a 1-D int64 numpy array (got {type(out).__name__})")
+        if not isinstance(out, np.ndarray) or out.ndim != 1 or out.dtype != np.int64 or not out.flags.writeable:
+            raise AllocationError(f"'out' must be a writable 1-D int64 numpy array (got {type(out).__name__})")
         n = self._check_n(out.shape[0])
         top = self._top - n
         out[:] = self._stack[top : self._top][::-1]

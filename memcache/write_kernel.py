@@ -118,15 +118,20 @@ def launch_checked(
         # the kernel up on every call: 15-22 µs of a call's host time against 10-13 µs for
         # the compiled kernel's own runner (H200 host, triton 3.6, 2026-11-30,
         # tests/bench/diag_launch.py). For this kernel the key is fully known here: the
-        # device, out_cache_loc's dtype (req_to_token and meta are checked int32 / int64)
-        # and the 16-byte alignment of each pointer (bs and row_stride are not
-        # specialized). A new key goes through the JIT entry once and keeps its kernel.
+        # device, the three tensors' dtypes, the 16-byte alignment of each pointer, and
+        # whether bs and row_stride fit int32 (they are not specialized on their values,
+        # but Triton types them i32 or i64 by size: a kernel built for i32 would truncate
+        # a larger one). A new key goes through the JIT entry once and keeps its kernel.
         key = (
             device.index,
+            req_to_token.dtype,
+            meta.dtype,
             out_cache_loc.dtype,
             req_to_token.data_ptr() & 15 == 0,
             meta.data_ptr() & 15 == 0,
             out_cache_loc.data_ptr() & 15 == 0,
+            bs >> 31 == 0,
+            args[4] >> 31 == 0,
         )
         compiled = _COMPILED.get(key)
         if compiled is not None:
@@ -137,7 +142,7 @@ def launch_checked(
             _COMPILED[key] = compiled
 
 
-#: The kernel compiled for each (device, out_cache_loc dtype, pointer alignments): see launch_checked.
+#: The kernel compiled for each specialization key of launch_checked (device, dtypes, alignments, int widths).
 _COMPILED: dict[tuple[Any, ...], CompiledKernel] = {}
 
 

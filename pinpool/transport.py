@@ -206,6 +206,8 @@ class _CudaFence(torch.cuda.Event):
     #: recorded again, so a passed fence answers later queries without a CUDA call: a
     #: decode loop reads step N's tokens (one query) and claims the same slot again some
     #: steps later (a second query of the same record) for one cudaEventQuery, not two.
+    #: Every record must go through ``record`` below (torch's ``Stream.record_event``
+    #: does): recording through the raw binding would leave the memo stale.
     passed = True  # never recorded: cudaEventQuery says passed too
 
     def record(self, stream: Stream = None) -> None:

@@ -234,3 +234,12 @@ def test_alloc_into_writes_the_callers_array_and_a_refusal_leaves_it_and_the_boo
     with pytest.raises(AllocationError, match="double free"):
         kv.free(image[1].copy())
     assert kv.available_size() == 4
+
+
+def test_alloc_into_a_read_only_array_is_refused_with_nothing_taken() -> None:
+    kv = HostKVAllocator(4)
+    frozen = np.zeros(2, dtype=np.int64)
+    frozen.flags.writeable = False
+    with pytest.raises(AllocationError, match="writable"):
+        kv.alloc_into(frozen)
+    assert kv.available_size() == 4
