@@ -196,7 +196,7 @@ def _check_lengths(
     # seq = prefix + extend: row 4 holds it, so the same max also reads that rule.
     np.subtract(seq, prefix, out=gap)
     np.subtract(gap, extend, out=gap)
-    top_row, top_prefix, top_seq, top_extend, top_gap = _max(table.view(np.uint64), axis=1).tolist()  # sync-ok
+    top_row, top_prefix, top_seq, top_extend, top_gap = _max(table.view(np.uint64), axis=1).tolist()  # sync-ok: numpy
     if top_row >= size or max(top_prefix, top_seq, top_extend) > max_len or top_gap:
         checks = (
             ((rows < 0) | (rows >= size), "req_pool_indices", rows, f"must be in [0, {size})"),
