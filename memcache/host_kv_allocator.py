@@ -43,7 +43,7 @@ class HostKVAllocator:
     def alloc(self, n: int) -> np.ndarray[Any, Any]:
         """int64 [n] slot indices (a fresh array), or ``AllocationError`` with nothing taken."""
         taken = np.empty(self._check_n(n), dtype=np.int64)
-        self.alloc_into(taken)
+        self._take(taken)
         return taken
 
     def alloc_into(self, out: np.ndarray[Any, Any]) -> None:
@@ -51,8 +51,12 @@ class HostKVAllocator:
         image's column, say); ``AllocationError`` with nothing taken and ``out`` untouched."""
         if not isinstance(out, np.ndarray) or out.ndim != 1 or out.dtype != np.int64 or not out.flags.writeable:
             raise AllocationError(f"'out' must be a writable 1-D int64 numpy array (got {type(out).__name__})")
-        n = self._check_n(out.shape[0])
-        top = self._top - n
+        self._check_n(out.shape[0])
+        self._take(out)
+
+    def _take(self, out: np.ndarray[Any, Any]) -> None:
+        """Move the top ``len(out)`` free slots into ``out`` (checked by the caller)."""
+        top = self._top - out.shape[0]
         out[:] = self._stack[top : self._top][::-1]
         self._top = top
 

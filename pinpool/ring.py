@@ -356,10 +356,7 @@ class PinnedRingBuffer:
             # Kernels store into the slot (``Stage.land``), on the stage's stream or a
             # registered consumer: the fence follows them all, as a zero-copy stage's does,
             # even after a read-back's fence (the writers may have been launched after it).
-            if self._consumers:
-                self._fence_readers(st)
-            else:
-                self._fences[slot].record(st.stream)  # _fence_readers with no consumer
+            self._fence_readers(st)
             if self.settings.debug and ok:
                 refuse_unregistered_reader(self._transport, st, [consumer for consumer, _ in self._consumers])
         elif not st.read_back:
@@ -514,7 +511,11 @@ class PinnedRingBuffer:
 
     def _fence_readers(self, st: Stage) -> None:
         """The fence of a zero-copy slot: after the readers on the stage's stream and on every consumer."""
-        transport, stream = self._transport, st.stream
+        stream = st.stream
+        if not self._consumers:  # the common case: the stage's stream alone
+            self._fences[st.slot].record(stream)
+            return
+        transport = self._transport
         for consumer, fences in self._consumers:
             if transport.same_stream(consumer, stream):
                 continue
