@@ -5,7 +5,8 @@ platform check passed; a table note says when it was skipped and why.
 
 Per mode: host µs per decode step (median iteration wall time in steady decode), GPU-idle
 share (CUDA events around each step's device work), tokens/s, and, from a separate
-counting pass of the same steps, syncs, copies and pinned allocations per decode step.
+counting pass of the same steps (in a child process, after every timing: ``run_isolated``),
+syncs, copies and pinned allocations per decode step.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from engine.model import ModelConfig
 from engine.requests import Request, Workload, make_requests
 from engine.uploader import MODES, Mode
 from pinpool import PinnedRingBuffer, PoolSettings
-from pinpool.bench.kit import BenchContext, Spread, Table, host_allocs, ratio
+from pinpool.bench.kit import BenchContext, Spread, Table, host_allocs, ratio, run_isolated
 
 WARM_STEPS = 3
 
@@ -70,7 +71,7 @@ def _requests(running: int, steps: int, seed: int) -> list[Request]:
 
 
 def measure(
-    ctx: BenchContext, mode: str, running: int, steps: int, gpu_work_us: float, cycles: float, count: bool = True
+    ctx: BenchContext, mode: str, running: int, steps: int, gpu_work_us: float, cycles: float
 ) -> dict[str, Any]:
     cuda = ctx.is_cuda
     engine = _engine(mode, ctx.device, running, gpu_work_us, cycles)
@@ -94,7 +95,6 @@ def measure(
         gpu = [s.elapsed_time(e) * 1e3 for s, e in engine.times.gpu_events[WARM_STEPS:]]
         gpu_us = statistics.median(gpu)
         idle = max(0.0, 1.0 - sum(gpu) / (sum(decode) * 1e6))
-    counts = _count(ctx, mode, running, gpu_work_us, cycles) if cuda and count else {}
     return {
         "host_us": host_us,
         "staging_us": staging_us,
@@ -103,19 +103,22 @@ def measure(
         "idle": idle,
         "tokens_per_s": sum(len(v) for v in outputs.values()) / wall,
         "outputs": outputs,
-        **counts,
     }
 
 
-def _count(ctx: BenchContext, mode: str, running: int, gpu_work_us: float, cycles: float) -> dict[str, float]:
-    """Syncs, copies and pinned allocations per decode step, in a pass of its own."""
+def count(device: str, mode: str, running: int, gpu_work_us: float, cycles: float) -> dict[str, float]:
+    """Syncs, copies and pinned allocations per decode step, in a profiled pass of its own.
+
+    Run through ``run_isolated`` (a child process) after every timing: a profiled pass
+    leaves CUPTI attached to its process (see there).
+    """
     from torch.profiler import ProfilerActivity, profile
 
-    engine = _engine(mode, ctx.device, running, gpu_work_us, cycles)
+    engine = _engine(mode, torch.device(device), running, gpu_work_us, cycles)
     engine.submit(_requests(running, 24, seed=2))
     while engine.step() != "decode" or engine.iteration < WARM_STEPS + 2:
         pass
-    ctx.synchronize()
+    torch.cuda.synchronize(device)  # sync-ok: bench clock boundary, outside the counted steps
     steps = 8
     waits_before = engine.reader.waits + engine.uploader.waits
     allocs_before = host_allocs()
@@ -177,7 +180,7 @@ SPREAD_KEYS = ("host_us", "staging_us", "wait_us", "gpu_us", "tokens_per_s")
 
 
 def _combine(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each figure's spread over the rounds; counts come from the first round's counting pass."""
+    """Each figure's spread over the rounds (the counting pass is added by the caller)."""
     first = results[0]
     if any(r["outputs"] != first["outputs"] for r in results):
         raise AssertionError("a mode's token streams changed between rounds of the same workload")
@@ -203,19 +206,30 @@ def workload(ctx: BenchContext) -> list[Table]:
     runs = [(running, 0.0) for running in sizes] + ([(sizes[0], 1000.0), (sizes[0], 3000.0)] if cuda else [])
     ctx.progress("decode loop warm-up (kernels compile once, outside the timings)")
     for mode in modes:
-        measure(ctx, mode, min(sizes), 6, 0.0, cycles, count=False)
+        measure(ctx, mode, min(sizes), 6, 0.0, cycles)
     rounds = max(1, ctx.repeats)
+    timed = []
     for running, work in runs:
-        rows = []
-        streams: dict[str, Any] = {}
         per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         # Modes interleave over rounds (order rotated each round), so a drift of the host
         # during the run lands on every mode alike.
         for r in range(rounds):
             for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
                 ctx.progress(f"decode loop running={running} gpu_work={work:.0f}us mode={mode} round={r + 1}/{rounds}")
-                per_mode[mode].append(measure(ctx, mode, running, steps, work, cycles, count=r == 0))
+                per_mode[mode].append(measure(ctx, mode, running, steps, work, cycles))
+        timed.append((running, work, per_mode))
+    # Every timing is taken; the profiled counting passes run now, in a child process.
+    jobs = [(str(ctx.device), mode, running, work, cycles) for running, work, _ in timed for mode in modes]
+    if cuda:
+        ctx.progress(f"decode loop: {len(jobs)} profiled counting passes in a child process")
+    counted = iter(run_isolated(count, jobs) if cuda else [])
+    for running, work, per_mode in timed:
+        rows = []
+        streams: dict[str, Any] = {}
         combined = {mode: _combine(per_mode[mode]) for mode in modes}
+        if cuda:
+            for mode in modes:
+                combined[mode].update(next(counted))
         for mode, m in combined.items():
             streams[mode] = m["outputs"]
             rows.append(

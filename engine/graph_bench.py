@@ -19,7 +19,8 @@ the eager loop in ``pinned`` and ``pool`` (``engine.loop``) on the tiny model. P
 - GPU µs: CUDA events around the step's device work on the forward stream;
 - GPU idle: 1 - (GPU time / wall time) over the timed steps;
 - tokens/s: running x 1e6 / step µs (steady decode);
-- copies/step, H2D/step, syncs/step: a separate profiled pass of the same loop.
+- copies/step, H2D/step, syncs/step: a separate profiled pass of the same loop, in a child
+  process after every timing (a profiled pass leaves CUPTI attached: ``run_isolated``).
 
 Every figure is the median over decode steps after a warm-up, then median (min-max) over
 rounds that interleave the modes. Token streams are compared across all modes.
@@ -41,7 +42,7 @@ from engine.graph_loop import GraphConfig, GraphEngine, GraphMode
 from engine.loop import Engine, EngineConfig
 from engine.model import ModelConfig, TinyDecoder
 from engine.requests import Request, Workload, make_requests
-from pinpool.bench.kit import BenchContext, Spread, Table, ratio
+from pinpool.bench.kit import BenchContext, Spread, Table, ratio, run_isolated
 
 WARM_STEPS = 4
 CONFIGS = {
@@ -168,15 +169,19 @@ def host_pass(
     return statistics.median(walls) * 1e6, phases
 
 
-def count(ctx: BenchContext, label: str, model_cfg: ModelConfig, running: int) -> dict[str, float]:
-    """Copies, host-to-device copies and syncs per decode step, in a profiled pass of its own."""
+def count(device: str, label: str, config: str, running: int) -> dict[str, float]:
+    """Copies, host-to-device copies and syncs per decode step, in a profiled pass of its own.
+
+    Run through ``run_isolated`` (a child process), never beside the timings: see there.
+    """
     from torch.profiler import ProfilerActivity, profile
 
-    engine = _engine(label, model_cfg, ctx.device, running)
+    model_cfg = CONFIGS[config]
+    engine = _engine(label, model_cfg, torch.device(device), running)
     engine.submit(_requests(model_cfg, running, 24))
     while engine.step() != "decode" or engine.iteration < WARM_STEPS + 2:
         pass
-    ctx.synchronize()  # sync-ok: bench clock boundary, outside the timed steps
+    torch.cuda.synchronize(device)  # sync-ok: bench clock boundary, outside the timed steps
     steps = 8
     waits_before = engine.reader.waits + engine.uploader.waits
     previous = torch.cuda.get_sync_debug_mode()
@@ -217,7 +222,7 @@ def workload(ctx: BenchContext) -> list[Table]:
         plan = [p for p in plan if p[0] in only.split(",")]
     if ctx.running is not None:
         plan = [(name, ctx.running, eager) for name, _, eager in plan]
-    tables = []
+    timed: list[tuple[str, int, dict[str, list[dict[str, Any]]]]] = []
     for config, sizes, eager in plan:
         model_cfg = CONFIGS[config]
         labels = [m[0] for m in MODES if eager or m[1] is not None]
@@ -230,8 +235,16 @@ def workload(ctx: BenchContext) -> list[Table]:
                 for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
                     ctx.progress(f"graph decode {config} running={running} {label} round {r + 1}/{rounds}")
                     per_mode[label].append(measure(ctx, label, model_cfg, running, steps))
-            counts = {label: count(ctx, label, model_cfg, running) for label in labels} if cuda else {}
-            tables.append(_table(config, running, steps, rounds, per_mode, counts))
+            timed.append((config, running, per_mode))
+    # Every timing is taken; the profiled counting passes run now, in a child process.
+    jobs = [(str(ctx.device), label, config, running) for config, running, per_mode in timed for label in per_mode]
+    if cuda:
+        ctx.progress(f"graph decode: {len(jobs)} profiled counting passes in a child process")
+    counted = iter(run_isolated(count, jobs) if cuda else [])
+    tables = []
+    for config, running, per_mode in timed:
+        counts = {label: next(counted) for label in per_mode} if cuda else {}
+        tables.append(_table(config, running, steps, rounds, per_mode, counts))
     return tables
 
 

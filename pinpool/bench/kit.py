@@ -224,3 +224,28 @@ def host_allocs() -> int:
     if not torch.cuda.is_available():
         return 0
     return int(torch.cuda.host_memory_stats().get("num_host_alloc", 0))
+
+
+def run_isolated(fn: Callable[..., Any], jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """``[fn(*job) for job in jobs]``, run in one fresh child process (spawned), in order.
+
+    For passes that profile: once ``torch.profiler`` has traced CUDA activity, CUPTI stays
+    attached to the process (Kineto does not tear it down; pytorch/pytorch#144455) and
+    every later CUDA runtime call carries its overhead. On an H200 (2026-11-30,
+    tests/bench/diag_replay.py) a decode graph's ``replay()`` took 3-6 µs of host time
+    before a profiled pass in the same process and 17-33 µs after it. A workload times
+    first, then counts here, so no timing in the bench's process ever runs under CUPTI.
+    ``fn`` must be importable at module level and its results picklable.
+    """
+    if not jobs:
+        return []
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
+        return list(child.map(_call, [(fn, job) for job in jobs]))
+
+
+def _call(packed: tuple[Callable[..., Any], tuple[Any, ...]]) -> Any:
+    fn, args = packed
+    return fn(*args)

@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -135,3 +136,28 @@ def test_plot_without_matplotlib_fails_before_any_work(
     err = capsys.readouterr().err
     assert "pinpool[plot]" in err and f"{sys.executable} -m pip install" in err
     assert not (tmp_path / "bench.png").exists()
+
+
+def _pid_times(x: int) -> tuple[int, int]:
+    return os.getpid(), x * 3
+
+
+def _refuse(x: int) -> int:
+    raise ValueError(f"refused {x}")
+
+
+def test_run_isolated_runs_every_job_in_order_in_one_other_process() -> None:
+    from pinpool.bench.kit import run_isolated
+
+    out = run_isolated(_pid_times, [(1,), (2,), (5,)])
+    assert [v for _, v in out] == [3, 6, 15]
+    pids = {pid for pid, _ in out}
+    assert len(pids) == 1 and os.getpid() not in pids  # one child, not this process
+    assert run_isolated(_pid_times, []) == []
+
+
+def test_run_isolated_raises_the_childs_error_here() -> None:
+    from pinpool.bench.kit import run_isolated
+
+    with pytest.raises(ValueError, match="refused 4"):
+        run_isolated(_refuse, [(4,)])
