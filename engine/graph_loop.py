@@ -294,16 +294,15 @@ class GraphEngine(Engine):
             if self.record_gpu:
                 self.times.gpu_events.append((start, self.gpu_mark()))
             with self.staging("decode.readback"), self.phases("readback"):
-                out = self.graphs.out_tokens[:bs]
                 if landing is not None:
                     # The replay stores the tokens in the slot; the close below fences them.
                     pending = self.reader.wrap(landing)
                 elif exchange is not None:
-                    pending = self.reader.wrap(exchange.readback(out))
+                    pending = self.reader.wrap(exchange.readback(self.graphs.out_tokens[:bs]))
                 elif mode == "pool":
-                    pending = self.reader.wrap(self.pool.readback(out))
+                    pending = self.reader.wrap(self.pool.readback(self.graphs.out_tokens[:bs]))
                 else:
-                    pending = self.reader.start(out)
+                    pending = self.reader.start(self.graphs.out_tokens[:bs])
             ok = True
             return pending
         finally:

@@ -75,6 +75,12 @@ class PinnedRingBuffer:
             )
         slot_bytes, num_slots = self.settings.slot_bytes, self.settings.num_slots
         self._num_slots = num_slots
+        # The settings are frozen: the per-stage paths read these plain attributes instead
+        # of going through the settings object each time.
+        #: Bytes per slot and the alignment of each claim in it (``PoolSettings``).
+        self.slot_bytes: int = slot_bytes
+        self.alignment: int = self.settings.alignment
+        self._debug = self.settings.debug
         self.host_slab = self._transport.alloc_host(slot_bytes * num_slots)
         self.device_mirror = self._transport.alloc_device(slot_bytes * num_slots)
         host_bytes = self.host_slab.numpy().data  # the whole slab as a writable memoryview
@@ -124,6 +130,8 @@ class PinnedRingBuffer:
                     for i, layout in enumerate(self._layouts)
                 ]
         self._next_slot = 0
+        #: The last ``owned`` buffer passed with ``reuse_owned=True`` that passed its checks.
+        self._reused_owned: torch.Tensor | None = None
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._generation = 0
         self._open: Stage | None = None
@@ -187,15 +195,33 @@ class PinnedRingBuffer:
         launched before the stage closes (``pinpool.zero_copy``; needs
         ``PoolSettings(zero_copy=True)`` and a platform that passed its check).
         """
-        if self._open is not None or self._closed or self.settings.debug:
+        if self._open is not None or self._closed or self._debug:
             self._check_usable()  # raises, or (debug) checks the calling thread
         stream = self._transport.resolve_stream(stream)
         if zero_copy:
             return self._zero_copy_stage(stream, owned_bytes, owned)
-        owned_device = None if owned_bytes is None and owned is None else self._owned_buffer(owned_bytes, owned, stream)
+        reused = reuse_owned and owned is not None
+        if owned is None and owned_bytes is None:
+            owned_device = None
+        elif (
+            owned is not None
+            and owned is self._reused_owned
+            and reuse_owned
+            and owned_bytes is None
+            and owned.dim() == 1
+            and owned.is_contiguous()
+        ):
+            # The buffer passed stage after stage (reuse_owned), checked in full when first
+            # seen: its device and dtype cannot change since; its shape can (in place), so
+            # that is checked again, and the stage reads its size.
+            owned_device = owned
+        else:
+            owned_device = self._owned_buffer(owned_bytes, owned, stream)
+            if reused:
+                self._reused_owned = owned
         slot = self._claim(stream, writes_mirror=owned_device is None)
         st = Stage(self, self._layouts[slot], slot, self._generation, stream, owned_device)
-        st.owned_reused = reuse_owned and owned is not None
+        st.owned_reused = reused
         self._open = st
         return st
 
@@ -211,7 +237,7 @@ class PinnedRingBuffer:
         self._check_readback_src(src, 0)  # before claiming: a refused call leaves the ring as it was
         slot = self._claim(stream, writes_mirror=False)
         handle = self.copy_back(slot, self._generation, src, 0, stream)
-        self._next_slot = (slot + 1) % self.settings.num_slots
+        self._next_slot = (slot + 1) % self._num_slots
         return handle
 
     def register_consumer_stream(self, stream: Stream) -> None:
@@ -357,7 +383,7 @@ class PinnedRingBuffer:
             # registered consumer: the fence follows them all, as a zero-copy stage's does,
             # even after a read-back's fence (the writers may have been launched after it).
             self._fence_readers(st)
-            if self.settings.debug and ok:
+            if self._debug and ok:
                 refuse_unregistered_reader(self._transport, st, [consumer for consumer, _ in self._consumers])
         elif not st.read_back:
             # Rule 1, on the stage's fixed stream: wherever the stage is closed, the fence
@@ -386,12 +412,12 @@ class PinnedRingBuffer:
             return
         # Even an aborted stage is fenced: kernels launched before the error may read it.
         self._fence_readers(st)
-        self._next_slot = (st.slot + 1) % self.settings.num_slots
+        self._next_slot = (st.slot + 1) % self._num_slots
         counters.stages += 1
         counters.zero_copy_stages += 1
         if not ok:
             counters.aborted_stages += 1
-        if self.settings.debug and ok:
+        if self._debug and ok:
             refuse_unregistered_reader(self._transport, st, [consumer for consumer, _ in self._consumers])
 
     def copy_back(self, slot: int, generation: int, src: torch.Tensor, offset: int, stream: Stream) -> Readback:
@@ -468,7 +494,7 @@ class PinnedRingBuffer:
             # wait is on the device. Nothing is spent while the stream stays the same.
             self._hand_off(slot, last, stream)
         self._last_stream[slot] = stream
-        if writes_mirror and (self._consumers or self.settings.debug):
+        if writes_mirror and (self._consumers or self._debug):
             self._guard_consumers(slot, stream)
         self._generation += 1
         self._slot_generation[slot] = self._generation

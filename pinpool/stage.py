@@ -119,15 +119,14 @@ class Stage:
         self.owned_device = owned_device
         #: True when the caller passes this same ``owned=`` buffer stage after stage (``reuse_owned=True``).
         self.owned_reused = False
-        self._capacity = (
-            pool.settings.slot_bytes if owned_device is None else min(pool.settings.slot_bytes, owned_device.numel())
-        )
-        self._align = pool.settings.alignment
+        slot_bytes = pool.slot_bytes
+        self._capacity = slot_bytes if owned_device is None else min(slot_bytes, owned_device.numel())
+        self._align = pool.alignment
         self._cursor = 0
         self._end = 0
         # Landings (``land``) are claimed from the slot's end down, outside the
         # copied bytes; puts, reservations and read-backs stop where they start.
-        self._tail = pool.settings.slot_bytes
+        self._tail = slot_bytes
         #: Landing handles of this stage (``land``), made readable by a successful close.
         self._landings: list[Landing] = []
         self._landing = False  # landing bytes claimed: the fence must follow the writers
@@ -250,15 +249,26 @@ class Stage:
         whose buffer it laid out, as ``StaticInputs`` does): no device view is built.
         Same rules as ``reserve``: never spills, valid until the copy is issued.
         """
-        self._check_open()
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        start = self.claim_bytes(nbytes, name=name)
+        host: np.ndarray[Any, Any] = self._layout.host[torch.uint8][start : start + nbytes]
+        return host
+
+    def claim_bytes(self, nbytes: int, *, name: str = "values") -> int:
+        """``reserve_host`` without building its view: the claimed bytes' offset in the slot.
+
+        For a caller that keeps its own views of the slot (``StaticInputs``, by slot and size).
+        """
+        if not self._open or self.flushed:
+            self._check_open()  # raises
+        if type(nbytes) is not int or nbytes < 0:
             raise StagingValueError(f"'{name}' nbytes must be an int >= 0 (got {nbytes!r})")
         start = self._cursor
         if start + nbytes > min(self._capacity, self._tail):
             raise CapacityError(self._capacity_message(nbytes, name))
-        host: np.ndarray[Any, Any] = self._layout.host[torch.uint8][start : start + nbytes]
-        self._commit_claim(nbytes, torch.uint8)
-        return host
+        end = self._end = start + nbytes
+        align = self._align
+        self._cursor = (end + align - 1) // align * align
+        return start
 
     def reserve_landing(self, nbytes: int, *, name: str = "landing") -> tuple[int, np.ndarray[Any, Any]]:
         """Claim ``nbytes`` of the slot's pinned memory for a kernel to write: (host address, uint8 view).
@@ -270,10 +280,10 @@ class Stage:
         with nothing copied or after a read-back, so the slot is not reused before the
         writer ran.
         """
-        return self.landing_view(self.claim_landing(nbytes, name=name), nbytes)
+        return self.slot_view(self.claim_landing(nbytes, name=name), nbytes)
 
-    def landing_view(self, start: int, nbytes: int) -> tuple[int, np.ndarray[Any, Any]]:
-        """(host address, uint8 view) of ``nbytes`` of this slot at ``start`` (a claimed landing's)."""
+    def slot_view(self, start: int, nbytes: int) -> tuple[int, np.ndarray[Any, Any]]:
+        """(host address, uint8 view) of ``nbytes`` of this slot's pinned bytes at ``start``, claimed by this stage."""
         host: np.ndarray[Any, Any] = self._layout.host[torch.uint8][start : start + nbytes]
         return self._layout.host_raw.data_ptr() + start, host
 
@@ -329,19 +339,28 @@ class Stage:
         handle reads the values after a successful close, within ``num_slots - 1``
         further claims. Needs ``pool.can_land`` (``PoolSettings(zero_copy=True)``).
         """
-        landing_itemsize(self._pool, dtype)  # raises where kernels may not write the slots, or for the dtype
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-            raise StagingValueError(f"'{name}' numel must be an int >= 0 (got {numel!r})")
-        self._check_open()
         # A step repeats its layout: with the same cursor, tail and size, the landing and its
         # address column land at the same bytes of this slot. They are built once (numpy,
         # the checks) and kept with the slot's layout; a step then copies the column's bytes
         # into place, with no numpy call: right after a step's launches numpy's first calls
-        # run cold, and measured ten times their cost alone (2026-11-30).
+        # run cold, and measured ten times their cost alone (2026-11-30). A plan exists only
+        # for arguments that passed every check below, on a pool whose kernels may land.
         layout = self._layout
-        key = (self._cursor, self._tail, self._capacity, numel, dtype)
-        plan = layout.landings.get(key) if self.owned_device is None else None
+        plan = None
+        if (
+            self._open
+            and not self.flushed
+            and self.owned_device is None
+            and type(numel) is int
+            and type(dtype) is torch.dtype
+        ):
+            plan = layout.landings.get((self._cursor, self._tail, self._capacity, numel, dtype))
         if plan is None:
+            landing_itemsize(self._pool, dtype)  # raises where kernels may not write the slots, or for the dtype
+            if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+                raise StagingValueError(f"'{name}' numel must be an int >= 0 (got {numel!r})")
+            self._check_open()
+            key = (self._cursor, self._tail, self._capacity, numel, dtype)
             try:
                 plan = self._plan_landing(numel, dtype, name)
             except CapacityError:

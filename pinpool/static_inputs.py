@@ -115,10 +115,14 @@ class StaticInputs:
         self._landed = transport.new_fence()
         self._seen_streams: list[Stream] = [alloc_stream]
         self._device_views: dict[int, dict[str, torch.Tensor]] = {}
-        self._host_views: BoundedCache[tuple[int, int], list[np.ndarray[Any, Any]]] = BoundedCache()
+        self._host_views: BoundedCache[
+            tuple[int, int, int], tuple[np.ndarray[Any, Any], list[np.ndarray[Any, Any]]]
+        ] = BoundedCache()
         #: (slot, landing offset, rows, live, dtype, field) -> (the address column's offset in
         #: the slot, its bytes, the landing's typed host view): for ``StaticStage.land``.
         self.landing_views: BoundedCache[tuple[Any, ...], tuple[int, bytes, np.ndarray[Any, Any]]] = BoundedCache()
+        #: (field name, landing dtype) -> (field index, the landed dtype's size): checked once.
+        self.landing_fields: dict[tuple[str, torch.dtype], tuple[int, int]] = {}
         self._open: StaticStage | None = None
 
     # -- layout ------------------------------------------------------------------------
@@ -191,21 +195,27 @@ class StaticInputs:
             raise PoolStateError("a StaticInputs stage is already open: close it before opening the next")
         st = self.pool.stage(stream=stream, owned=self.device_block, reuse_owned=True)
         try:
-            host_raw = st.reserve_host(self.nbytes(rows), name="static inputs")
+            nbytes = self._nbytes.get(rows) or self.nbytes(rows)
+            start = st.claim_bytes(nbytes, name="static inputs")
         except BaseException:
             st.close(ok=False)
             raise
-        key = (st.slot, rows)
-        host = self._host_views.get(key)
-        if host is None:
-            host = self._host_views.put(
+        # The slot's bytes for this size, whole and per field: built once per (slot, size).
+        key = (st.slot, rows, start)
+        hit = self._host_views.get(key)
+        if hit is None:
+            host_raw = st.slot_view(start, nbytes)[1]
+            hit = self._host_views.put(
                 key,
-                [
-                    host_raw[off : off + rows * _itemsize(f.dtype)].view(NUMPY_DTYPE[f.dtype])
-                    for f, off in zip(self.fields, self.offsets(rows), strict=True)
-                ],
+                (
+                    host_raw,
+                    [
+                        host_raw[off : off + rows * _itemsize(f.dtype)].view(NUMPY_DTYPE[f.dtype])
+                        for f, off in zip(self.fields, self.offsets(rows), strict=True)
+                    ],
+                ),
             )
-        opened = self._open = StaticStage(self, st, host, host_raw, rows, live)
+        opened = self._open = StaticStage(self, st, hit[1], hit[0], rows, live)
         self._note_stream(st.stream)
         return opened
 
@@ -240,8 +250,10 @@ class StaticInputs:
             for view, pad in zip(sst.host_views, self.pads, strict=True):
                 view[live:] = pad
         transport, stream = self._transport, st.stream
-        # Before the copy overwrites the block: the previous readers' work must be done.
-        self.wait_for_readers(stream)
+        readers = self._readers
+        if readers:
+            # Before the copy overwrites the block: the previous readers' work must be done.
+            self.wait_for_readers(stream)
         writer = self._writer
         if writer is not stream and not transport.same_stream(writer, stream):
             # A change of stream (rule 2): the previous copy (or the allocation) may still be
@@ -251,7 +263,9 @@ class StaticInputs:
         self._writer = stream
         st.flush()  # the one copy, on the stage's stream
         sst.flushed = True  # from here on the copy is queued: close must fence it
-        waiting = [r for r in self._readers if not transport.same_stream(r, stream)]
+        if not readers:
+            return
+        waiting = [r for r in readers if not transport.same_stream(r, stream)]
         if waiting:
             self._landed.record(stream)
             for reader in waiting:
@@ -441,16 +455,20 @@ class StaticStage:
         if self.flushed:
             raise PoolStateError("land() must come before flush(): the addresses travel in the step's copy")
         block = self._block
-        i = block.field_index(name)
-        self._refuse_landed(i, name)
-        f = block.fields[i]
-        if f.dtype != torch.int64 or f.pad != 0:
-            raise StagingValueError(
-                f"'name' must be an int64 field with pad 0 to hold landing addresses (got {name!r}: {f.dtype}, "
-                f"pad {f.pad!r})"
-            )
-        pool = block.pool
-        itemsize = landing_itemsize(pool, dtype)
+        # (name, dtype) pairs that passed the checks below: a loop lands the same one each step.
+        checked = block.landing_fields.get((name, dtype)) if type(name) is str and type(dtype) is torch.dtype else None
+        if checked is None:
+            i = block.field_index(name)
+            f = block.fields[i]
+            if f.dtype != torch.int64 or f.pad != 0:
+                raise StagingValueError(
+                    f"'name' must be an int64 field with pad 0 to hold landing addresses (got {name!r}: {f.dtype}, "
+                    f"pad {f.pad!r})"
+                )
+            checked = block.landing_fields[(name, dtype)] = (i, landing_itemsize(block.pool, dtype))
+        i, itemsize = checked
+        if self._landed >> i & 1:
+            self._refuse_landed(i, name)  # raises
         live, st = self.live, self.stage
         start = st.claim_landing(live * itemsize, name=name)
         # A step repeats (slot, landing offset, rows, live, dtype): the address column's
@@ -460,7 +478,7 @@ class StaticStage:
         key = (st.slot, start, self.rows, live, dtype, i)
         hit = block.landing_views.get(key)
         if hit is None:
-            address, raw = st.landing_view(start, live * itemsize)
+            address, raw = st.slot_view(start, live * itemsize)
             offset = self.host_views[i].__array_interface__["data"][0] - (address - start)
             column = (landing_offsets(live, dtype) + address).tobytes()
             hit = block.landing_views.put(key, (offset, column, raw.view(NUMPY_DTYPE[dtype])))

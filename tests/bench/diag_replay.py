@@ -1,15 +1,16 @@
-"""Why a replay's host launch costs more at 16 and 64 rows than at 1 (a diagnostic, not a test).
+"""A decode graph's replay() host cost before and after a profiled pass in the same process (a diagnostic).
 
 python3 tests/bench/diag_replay.py > $OUT/diag_replay.txt
 
-For the host-bound config, per padded size: the host µs of ``graph.replay()`` with the
-device idle (median of 200), and the kernels, memsets and copies one eager step of the same
-body launches (torch.profiler), so a size whose graph holds more or costlier nodes shows.
+Per padded size of the host-bound config: the host µs of ``replay()`` with the device
+idle (median of 200), then one eager step under ``torch.profiler`` (CUDA activity), then
+the same timing again. Once a pass has traced CUDA activity, CUPTI stays attached to the
+process and every CUDA runtime call after it carries its overhead; the bench therefore
+runs its counting passes in a child process after every timing (``run_isolated``).
 """
 
 from __future__ import annotations
 
-import collections
 import statistics
 import time
 
@@ -24,39 +25,31 @@ dev = torch.device("cuda:0")
 SIZES = (1, 16, 64)
 
 
-def main() -> None:
-    for rows in SIZES:
-        cfg = EngineConfig(max_running=rows, max_prefill_tokens=1 << 16, kv_slots=rows * 160 + 1024)
-        eng = GraphEngine(CONFIGS["host-bound"], "pool", dev, cfg, GraphConfig(sizes=(rows,)))
-        graphs = eng.graphs
-        stream = eng.forward_stream
-        assert stream is not None
-        times = []
-        with torch.cuda.stream(stream):
-            for _ in range(220):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                graphs.replay(rows)
-                times.append(time.perf_counter() - start)
-        torch.cuda.synchronize()
-        launch = statistics.median(times[20:]) * 1e6
-        with torch.cuda.stream(stream):
-            graphs.body(rows)
+def replay_us(eng: GraphEngine, rows: int) -> float:
+    times = []
+    with torch.cuda.stream(eng.forward_stream):
+        for _ in range(220):
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                graphs.body(rows)
-                torch.cuda.synchronize()
-        kinds: collections.Counter[str] = collections.Counter()
-        names: collections.Counter[str] = collections.Counter()
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                names[e.name[:90]] += 1
-            elif e.name.startswith("cuda") or e.name.startswith("cu"):
-                kinds[e.name] += 1
-        print(f"## rows {rows}: replay() host µs median {launch:.1f}; runtime calls of one eager body: {dict(kinds)}")
-        for name, n in sorted(names.items()):
-            print(f"   {n:3d}  {name}")
-        print(flush=True)
+            start = time.perf_counter()
+            eng.graphs.replay(rows)
+            times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times[20:]) * 1e6
+
+
+def main() -> None:
+    engines = {}
+    before = {}
+    for rows in SIZES:  # no profiler has run in this process yet
+        cfg = EngineConfig(max_running=rows, max_prefill_tokens=1 << 16, kv_slots=rows * 160 + 1024)
+        engines[rows] = GraphEngine(CONFIGS["host-bound"], "pool", dev, cfg, GraphConfig(sizes=(rows,)))
+        before[rows] = replay_us(engines[rows], rows)
+    with torch.cuda.stream(engines[1].forward_stream), profile(activities=[ProfilerActivity.CUDA]):
+        engines[1].graphs.body(1)
+        torch.cuda.synchronize()
+    print("rows  replay() host µs before a profiled pass  after it")
+    for rows in SIZES:
+        print(f"{rows:4d}  {before[rows]:40.1f}  {replay_us(engines[rows], rows):8.1f}", flush=True)
 
 
 if __name__ == "__main__":

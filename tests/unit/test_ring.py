@@ -267,3 +267,21 @@ def test_events_have_stable_names() -> None:
         pool.close()
     assert [e["event"] for e in logs] == ["pool.created", "pool.closed"]
     assert logs[0]["num_slots"] == 3 and logs[0]["slot_bytes"] == 1024
+
+
+def test_a_reused_owned_buffer_is_checked_again_after_its_shape_changed_in_place() -> None:
+    """The reuse_owned fast path skips the full check for the same buffer, never its shape's."""
+    pool = make_pool()
+    owned = torch.zeros(64, dtype=torch.uint8)
+    for value in (3, 4):  # the second stage takes the fast path
+        with pool.stage(owned=owned, reuse_owned=True) as st:
+            st.put([value] * 8, torch.int64)
+        assert owned.view(torch.int64)[:8].tolist() == [value] * 8
+    owned.resize_(8, 8)  # in place: the same object, now 2-D
+    with pytest.raises(PoolStateError, match="contiguous 1-D uint8"):
+        pool.stage(owned=owned, reuse_owned=True)
+    assert owned.view(torch.int64).flatten()[:8].tolist() == [4] * 8  # nothing was written
+    wrong = torch.zeros(64, dtype=torch.int32)
+    with pytest.raises(PoolStateError, match="contiguous 1-D uint8"):
+        pool.stage(owned=wrong, reuse_owned=True)  # another buffer: the full check
+    pool.close()
