@@ -61,6 +61,9 @@ def landing_offsets(numel: int, dtype: torch.dtype) -> np.ndarray[Any, Any]:
 
 
 _NESTED = (list, tuple, np.ndarray)
+#: torch dtype -> its numpy dtype object (compared by identity: numpy keeps one per builtin
+#: native-order type, so a byte-swapped array takes the converting path).
+_NUMPY_OF = {d: np.dtype(n) for d, n in NUMPY_DTYPE.items()}
 
 
 class Stage:
@@ -213,6 +216,29 @@ class Stage:
                 return device
             shape: tuple[int, ...] = (numel,)
             src, target = values, dtype
+        elif (
+            type(values) is np.ndarray
+            and values.ndim == 1
+            and type(dtype) is torch.dtype
+            and values.dtype is _NUMPY_OF.get(dtype)
+            and values.flags.c_contiguous
+        ):
+            # Hot path (a scheduler's own int64/float32 array, already the target dtype): a memcpy.
+            numel = values.shape[0]
+            itemsize = values.itemsize
+            start = self._cursor
+            end = start + numel * itemsize
+            if end <= self._capacity and end <= self._tail:
+                layout = self._layout
+                base = layout.host_base + start
+                layout.host_bytes[base : base + numel * itemsize] = values.view(np.uint8)  # type: ignore[call-overload]  # numpy arrays are buffers
+                device = self._device_view(dtype, start // itemsize, numel)
+                self._end = end
+                align = self._align
+                self._cursor = (end + align - 1) // align * align
+                return device
+            src, target, shape = as_source(values, dtype, name)
+            numel = math.prod(shape)
         else:
             src, target, shape = as_source(values, dtype, name)
             numel = math.prod(shape)

@@ -285,3 +285,23 @@ def test_a_reused_owned_buffer_is_checked_again_after_its_shape_changed_in_place
     with pytest.raises(PoolStateError, match="contiguous 1-D uint8"):
         pool.stage(owned=wrong, reuse_owned=True)  # another buffer: the full check
     pool.close()
+
+
+def test_an_array_of_the_target_dtype_is_put_exactly_whatever_its_layout() -> None:
+    """The same-dtype memcpy path against strided, byte-swapped and oversized arrays."""
+    pool = make_pool()
+    base = np.arange(10, dtype=np.int64) * 1_000_000_007
+    with pool.stage() as st:
+        plain = st.put(base, torch.int64)  # the memcpy path
+        strided = st.put(base[::2], torch.int64)  # not contiguous: the converting path
+        swapped = st.put(base.astype(">i8"), torch.int64)  # byte-swapped: converted, not copied raw
+        floats = st.put(np.array([0.5, -2.25], np.float32), torch.float32)
+        after = st.put([7], torch.int64)
+    assert plain.tolist() == base.tolist()
+    assert strided.tolist() == base[::2].tolist()
+    assert swapped.tolist() == base.tolist()
+    assert floats.tolist() == [0.5, -2.25]
+    assert after.tolist() == [7] and after.data_ptr() % 16 == 0  # the next claim stays aligned
+    with pool.stage() as st, pytest.raises(CapacityError):
+        st.put(np.zeros(1024, np.int64), torch.int64)  # 8 KiB into a 1 KiB slot
+    pool.close()
