@@ -9,13 +9,11 @@ The schedule depends on iteration counts only, so every mode runs the same batch
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 
 from engine.baseline import PerFieldSamplingInfo, write_cache_per_field
@@ -112,8 +110,6 @@ class Engine:
         self.times = StepTimes()
         self.record_gpu = False
         self._halves_of: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        #: The pool modes' host copy of the running batch (``_host_batch``); None once it changed.
-        self._rows_positions: np.ndarray[Any, Any] | None = None
         self.waiting: deque[Request] = deque()
         self.pending: tuple[Pending, list[Request]] | None = None
         self.iteration = 0
@@ -232,7 +228,6 @@ class Engine:
                 self.prefix_cache[r.prefix_group] = self.rtt.req_to_token[r.row, : r.shared_len].clone()
                 r.owned_from = r.shared_len  # those slots now belong to the cache
         self.running += reqs
-        self._rows_positions = None
         self._join(info, new_tokens, rows_d, last_d)
         with self.staging("prefill.readback"):
             return self.reader.start(new_tokens)
@@ -259,11 +254,9 @@ class Engine:
     def _decode(self) -> Pending:
         reqs, bs = self.running, len(self.running)
         out_cache_loc = self.kv.alloc(bs)
-        # The per-field modes' lists are built outside the clock, which is for moving them to
-        # the GPU. The pool modes keep the batch as one array (``_host_batch``) and pay for
-        # its upkeep inside the clock.
-        if not self.pooled:
-            rows, positions = [r.row for r in reqs], [r.seq_len for r in reqs]
+        # The scheduler's lists are built outside the clock: every mode needs them, and
+        # the clock is for what the modes do differently (moving them to the GPU).
+        rows, positions = [r.row for r in reqs], [r.seq_len for r in reqs]
         exchange: Stage | None = None
         land_to: torch.Tensor | None = None
         landing: Landing | None = None
@@ -281,7 +274,7 @@ class Engine:
                     # positions in the pinned slot; they are launched before the read-back
                     # and the close, so the slot's fence, recorded at close, follows them.
                     exchange = self.pool.stage(zero_copy=self.zero_copy)
-                    rows_d, positions_d = self._halves(exchange.put(self._host_batch(reqs, bs), torch.int64), bs)
+                    rows_d, positions_d = self._halves(exchange.put(rows + positions, torch.int64), bs)
                     if self.land_tokens:
                         # Where the sampler stores each token in this slot: no read-back copy.
                         land_to, landing = exchange.land(bs)
@@ -305,22 +298,6 @@ class Engine:
         finally:
             if exchange is not None:
                 exchange.close(ok=ok)  # a no-op after the close above
-
-    def _host_batch(self, reqs: list[Request], bs: int) -> np.ndarray[Any, Any]:
-        """int64 [2 * bs]: the running batch's rows, then its positions, as the pool modes keep them.
-
-        Built when the batch changes (a prefill joins, a request leaves: ``_rows_positions``
-        is reset there); in between every request advances one position per decode step,
-        so the positions move in place and the step's put is one memcpy.
-        """
-        both = self._rows_positions
-        if both is None or both.shape[0] != 2 * bs:
-            both = self._rows_positions = np.fromiter(
-                itertools.chain((r.row for r in reqs), (r.seq_len for r in reqs)), np.int64, 2 * bs
-            )
-        else:
-            both[bs:] += 1
-        return both
 
     def _halves(self, both: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows and positions: the two halves of the step's one put (one put a step, not two).
@@ -399,7 +376,6 @@ class Engine:
             if r.done:
                 self._free(r)
         self.running = [self.running[i] for i in keep]
-        self._rows_positions = None
         if not keep:
             self.info, self.last_tokens = None, None
             return
