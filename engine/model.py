@@ -70,6 +70,11 @@ class TinyDecoder:
             for _ in range(cfg.layers)
         ]
         self.lm_head = weight(h, cfg.vocab_size) * 4.0  # sharper logits: sampling filters matter
+        # For the attention mask, built once: every key position as a row, and the additive
+        # mask's two values in the activation dtype (0 where a key is visible, -inf where not).
+        self.key_positions = torch.arange(cfg.max_context_len, device=device)[None, :]
+        self.visible_value = torch.zeros((), device=device, dtype=dtype)
+        self.hidden_value = torch.full((), -math.inf, device=device, dtype=dtype)
 
     @torch.no_grad()
     def forward(
@@ -87,11 +92,17 @@ class TinyDecoder:
         hidden = (cfg.hidden,)
         x = self.embed[tokens] + self.pos_embed[positions]
         # Every token attends to the KV slots of its request's row, positions 0..its own.
-        slots = req_to_token[token_rows, :max_len]  # int32 [T, max_len]: torch indexes with int32 too
-        visible = (torch.arange(max_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
+        # The slots are made int64 once here: indexing converts int32 indices itself, a
+        # kernel per use (two per layer).
+        slots = req_to_token[token_rows, :max_len].long()  # [T, max_len]
+        # The additive mask scaled_dot_product_attention would build from a bool mask itself
+        # (two fills and a where, per layer), made once per step: a compare and a where.
+        visible = self.key_positions[:, :max_len] <= positions[:, None]
+        mask = torch.where(visible, self.visible_value, self.hidden_value)[:, None, None, :]
         # Few, fused kernels per layer (rms_norm, addmm, one attention call): in a replayed
         # graph each kernel costs its launch latency on the GPU, and a step of a tiny model
-        # is mostly that.
+        # is mostly that. The residual adds are in place (addmm_): out of place, addmm
+        # first copies x into its result, one more node per product.
         for layer, w in enumerate(self.blocks):
             qkv = torch.nn.functional.rms_norm(x, hidden, eps=1e-6) @ w["qkv"]
             q, k, v = qkv.view(-1, 3, cfg.heads, cfg.head_dim).unbind(1)
@@ -99,10 +110,10 @@ class TinyDecoder:
             cache.v[layer, out_cache_loc] = v
             keys = cache.k[layer][slots].transpose(1, 2)  # [T, heads, max_len, hd]
             values = cache.v[layer][slots].transpose(1, 2)
-            attn = torch.nn.functional.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=visible)
-            x = torch.addmm(x, attn.reshape(-1, cfg.hidden), w["o"])
+            attn = torch.nn.functional.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask)
+            x.addmm_(attn.reshape(-1, cfg.hidden), w["o"])
             up = torch.nn.functional.gelu(torch.nn.functional.rms_norm(x, hidden, eps=1e-6) @ w["up"])
-            x = torch.addmm(x, up, w["down"])
+            x.addmm_(up, w["down"])
         logits = torch.nn.functional.rms_norm(x[last_index], hidden, eps=1e-6) @ self.lm_head
         return logits if logits.dtype == torch.float32 else logits.float()
 
