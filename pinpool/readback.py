@@ -84,13 +84,7 @@ class Landing(Readback):
     __slots__ = ("armed",)
 
     def __init__(self, pool: PinnedRingBuffer, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any]):
-        # Readback's fields, set here without a super() call: one is made per decode step.
-        self._pool = pool
-        self.slot = slot
-        self.generation = generation
-        self._fence = fence
-        self._host = host
-        self._landed_seen = False
+        super().__init__(pool, slot, generation, fence, host)
         #: Set by the stage's successful close, once the fence follows the writing kernel.
         self.armed = False
 
