@@ -75,11 +75,10 @@ class PinnedRingBuffer:
             )
         slot_bytes, num_slots = self.settings.slot_bytes, self.settings.num_slots
         self._num_slots = num_slots
-        # The settings are frozen: the per-stage paths read these plain attributes instead
-        # of going through the settings object each time.
-        #: Bytes per slot and the alignment of each claim in it (``PoolSettings``).
-        self.slot_bytes: int = slot_bytes
-        self.alignment: int = self.settings.alignment
+        # The settings are frozen: the per-stage paths read these copies instead of going
+        # through the settings object each time.
+        self._slot_bytes = slot_bytes
+        self._alignment = self.settings.alignment
         self._debug = self.settings.debug
         self.host_slab = self._transport.alloc_host(slot_bytes * num_slots)
         self.device_mirror = self._transport.alloc_device(slot_bytes * num_slots)
@@ -153,6 +152,16 @@ class PinnedRingBuffer:
     @property
     def device(self) -> torch.device:
         return self.settings.device
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes per slot (``PoolSettings.slot_bytes``)."""
+        return self._slot_bytes
+
+    @property
+    def alignment(self) -> int:
+        """The alignment of each claim in a slot (``PoolSettings.alignment``)."""
+        return self._alignment
 
     @property
     def transport(self) -> Transport:
