@@ -25,7 +25,7 @@ from engine.model import ModelConfig
 from engine.requests import Request, Workload, make_requests
 from engine.uploader import MODES, Mode
 from pinpool import PinnedRingBuffer, PoolSettings
-from pinpool.bench.kit import BenchContext, Spread, Table, host_allocs, ratio, run_isolated
+from pinpool.bench.kit import BenchContext, Spread, Table, counted_or_none, host_allocs, ratio
 
 WARM_STEPS = 3
 
@@ -222,12 +222,13 @@ def workload(ctx: BenchContext) -> list[Table]:
     jobs = [(str(ctx.device), mode, running, work, cycles) for running, work, _ in timed for mode in modes]
     if cuda:
         ctx.progress(f"decode loop: {len(jobs)} profiled counting passes in a child process")
-    counted = iter(run_isolated(count, jobs) if cuda else [])
+    counts = counted_or_none(count, jobs) if cuda else None
+    counted = iter(counts or [])
     for running, work, per_mode in timed:
         rows = []
         streams: dict[str, Any] = {}
         combined = {mode: _combine(per_mode[mode]) for mode in modes}
-        if cuda:
+        if counts is not None:
             for mode in modes:
                 combined[mode].update(next(counted))
         for mode, m in combined.items():

@@ -42,7 +42,7 @@ from engine.graph_loop import GraphConfig, GraphEngine, GraphMode
 from engine.loop import Engine, EngineConfig
 from engine.model import ModelConfig, TinyDecoder
 from engine.requests import Request, Workload, make_requests
-from pinpool.bench.kit import BenchContext, Spread, Table, ratio, run_isolated
+from pinpool.bench.kit import BenchContext, Spread, Table, counted_or_none, ratio
 
 WARM_STEPS = 4
 CONFIGS = {
@@ -240,10 +240,11 @@ def workload(ctx: BenchContext) -> list[Table]:
     jobs = [(str(ctx.device), label, config, running) for config, running, per_mode in timed for label in per_mode]
     if cuda:
         ctx.progress(f"graph decode: {len(jobs)} profiled counting passes in a child process")
-    counted = iter(run_isolated(count, jobs) if cuda else [])
+    all_counts = counted_or_none(count, jobs) if cuda else None
+    counted = iter(all_counts or [])
     tables = []
     for config, running, per_mode in timed:
-        counts = {label: next(counted) for label in per_mode} if cuda else {}
+        counts = {label: next(counted) for label in per_mode} if all_counts is not None else {}
         tables.append(_table(config, running, steps, rounds, per_mode, counts))
     return tables
 

@@ -89,6 +89,8 @@ class TinyDecoder:
         max_len: int,  # host int: longest sequence in the batch (bounds the gather)
     ) -> torch.Tensor:
         cfg = self.cfg
+        if max_len > cfg.max_context_len:
+            raise ValueError(f"'max_len' must be <= max_context_len={cfg.max_context_len} (got {max_len})")
         hidden = (cfg.hidden,)
         x = self.embed[tokens] + self.pos_embed[positions]
         # Every token attends to the KV slots of its request's row, positions 0..its own.

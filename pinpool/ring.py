@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -44,6 +46,13 @@ from pinpool.transport import Fence, Stream, Transport, transport_for
 from pinpool.zero_copy import ZeroCopyStage, refuse_unregistered_reader
 
 _log = get_logger("pinpool")
+
+
+def _dead_ref() -> torch.Tensor | None:
+    """A stand-in for a weak reference whose object is gone (no buffer reused yet)."""
+    return None
+
+
 _POISON_BYTE = 0xFF  # NaN in every float dtype, -1 in every signed int dtype
 
 
@@ -130,7 +139,7 @@ class PinnedRingBuffer:
                 ]
         self._next_slot = 0
         #: The last ``owned`` buffer passed with ``reuse_owned=True`` that passed its checks.
-        self._reused_owned: torch.Tensor | None = None
+        self._reused_owned: Callable[[], torch.Tensor | None] = _dead_ref
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._generation = 0
         self._open: Stage | None = None
@@ -214,20 +223,23 @@ class PinnedRingBuffer:
             owned_device = None
         elif (
             owned is not None
-            and owned is self._reused_owned
+            and owned is self._reused_owned()
             and reuse_owned
             and owned_bytes is None
+            and owned.dtype is torch.uint8
+            and owned.get_device() == self._device_index
             and owned.dim() == 1
             and owned.is_contiguous()
         ):
             # The buffer passed stage after stage (reuse_owned), checked in full when first
-            # seen: its device and dtype cannot change since; its shape can (in place), so
-            # that is checked again, and the stage reads its size.
+            # seen. The same object can still change in place (``resize_``, ``.data =``), so
+            # what the full check asks of it is asked again, by cheaper calls: dtype, device
+            # index (the device type cannot change to or from CPU that way), shape.
             owned_device = owned
         else:
             owned_device = self._owned_buffer(owned_bytes, owned, stream)
-            if reused:
-                self._reused_owned = owned
+            if owned is not None and reuse_owned:
+                self._reused_owned = weakref.ref(owned)  # kept alive by the slice cache only
         slot = self._claim(stream, writes_mirror=owned_device is None)
         st = Stage(self, self._layouts[slot], slot, self._generation, stream, owned_device)
         st.owned_reused = reused

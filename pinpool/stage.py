@@ -286,7 +286,7 @@ class Stage:
         """
         if not self._open or self.flushed:
             self._check_open()  # raises
-        if type(nbytes) is not int or nbytes < 0:
+        if (type(nbytes) is not int and (isinstance(nbytes, bool) or not isinstance(nbytes, int))) or nbytes < 0:
             raise StagingValueError(f"'{name}' nbytes must be an int >= 0 (got {nbytes!r})")
         start = self._cursor
         if start + nbytes > min(self._capacity, self._tail):

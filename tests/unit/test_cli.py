@@ -161,3 +161,11 @@ def test_run_isolated_raises_the_childs_error_here() -> None:
 
     with pytest.raises(ValueError, match="refused 4"):
         run_isolated(_refuse, [(4,)])
+
+
+def test_a_failed_counting_child_leaves_the_counts_empty_not_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from pinpool.bench.kit import counted_or_none
+
+    assert counted_or_none(_refuse, [(5,)]) is None
+    assert "refused 5" in capsys.readouterr().err
+    assert counted_or_none(_pid_times, [(2,)]) is not None

@@ -305,3 +305,30 @@ def test_an_array_of_the_target_dtype_is_put_exactly_whatever_its_layout() -> No
     with pool.stage() as st, pytest.raises(CapacityError):
         st.put(np.zeros(1024, np.int64), torch.int64)  # 8 KiB into a 1 KiB slot
     pool.close()
+
+
+def test_a_reused_owned_buffer_swapped_in_place_for_another_dtype_is_refused() -> None:
+    """``buf.data = other`` keeps the object but changes its dtype: the fast path must not take it."""
+    pool = make_pool()
+    owned = torch.zeros(256, dtype=torch.uint8)
+    with pool.stage(owned=owned, reuse_owned=True) as st:
+        st.put([1, 2], torch.int64)
+    owned.data = torch.zeros(64, dtype=torch.float32)  # the same object, now float32
+    with pytest.raises(PoolStateError, match="contiguous 1-D uint8"):
+        pool.stage(owned=owned, reuse_owned=True)
+    assert owned.tolist() == [0.0] * 64  # nothing was written
+    pool.close()
+
+
+def test_the_pool_does_not_keep_a_reused_owned_buffer_alive_past_its_slice_cache() -> None:
+    pool = make_pool()
+    owned = torch.zeros(256, dtype=torch.uint8)
+    with pool.stage(owned=owned, reuse_owned=True) as st:
+        st.put([1], torch.int64)
+    gone = weakref.ref(owned)
+    for cache in pool._owned_ranges:  # what the docstring says keeps it alive, cleared
+        cache.clear()
+    del owned, st
+    gc.collect()
+    assert gone() is None
+    pool.close()
