@@ -63,6 +63,11 @@ _fallback_logger: Any = _fallback(_fallback_level)
 _fallback_by_name: dict[str, Any] = {}
 
 
+def fallback_level() -> int:
+    """The level of the stderr logger used while the application has not configured structlog."""
+    return _fallback_level
+
+
 def set_fallback_level(level: int) -> int:
     """Set the level of the stderr logger used while the application has not configured structlog.
 

@@ -195,7 +195,7 @@ class StaticInputs:
             raise PoolStateError("a StaticInputs stage is already open: close it before opening the next")
         st = self.pool.stage(stream=stream, owned=self.device_block, reuse_owned=True)
         try:
-            nbytes = self._nbytes.get(rows) or self.nbytes(rows)
+            nbytes = self.nbytes(rows)
             start = st.claim_bytes(nbytes, name="static inputs")
         except BaseException:
             st.close(ok=False)

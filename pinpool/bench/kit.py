@@ -6,7 +6,6 @@ so sampling and memcache add theirs without pinpool importing them.
 
 from __future__ import annotations
 
-import logging
 import math
 import statistics
 import sys
@@ -17,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from pinpool.log import set_fallback_level
+from pinpool.log import fallback_level, set_fallback_level
 
 #: The staging modes ``pinpool bench`` compares, and what each one is.
 MODES: dict[str, str] = {
@@ -245,13 +244,11 @@ def run_isolated(fn: Callable[..., Any], jobs: Sequence[tuple[Any, ...]]) -> lis
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    level = set_fallback_level(logging.INFO)  # read the caller's level (the CLI sets one) ...
-    set_fallback_level(level)  # ... and put it back; the child gets the same
     with ProcessPoolExecutor(
         max_workers=1,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=set_fallback_level,
-        initargs=(level,),
+        initargs=(fallback_level(),),  # the caller's level (the CLI sets one), in the child too
     ) as child:
         return list(child.map(_call, [(fn, job) for job in jobs]))
 
