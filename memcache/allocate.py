@@ -17,6 +17,11 @@ def allocate_extend(
     Both counts are checked before either pool changes, so a batch that cannot be
     served leaves no half-allocated state behind.
     """
+    # The counts' types and signs first: each pool checks its own, but a refusal by the
+    # second one would come after the first had already handed out its rows.
+    for name, value in (("num_reqs", num_reqs), ("num_tokens", num_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise AllocationError(f"'{name}' must be an int >= 0 (got {value!r}); nothing was allocated")
     rows_free, slots_free = req_to_token_pool.available_size(), kv_allocator.available_size()
     if num_reqs > rows_free or num_tokens > slots_free:
         raise AllocationError(

@@ -240,8 +240,15 @@ class SamplingBatchInfo:
         if keep.size == 0 or keep.min() < 0 or keep.max() >= bs:
             got = keep.tolist()[:8]  # sync-ok: numpy host array, no device read
             raise BatchMismatchError(f"'keep_indices' must be non-empty and in [0, {bs}) (got {got})")
+        # Before anything is staged: staging claims a slot, and that claim may be the one
+        # that recycles this batch's own (a ring batch is live for num_slots - 1 claims).
+        self.check_live()
         if keep_device is None:
-            with self.pool.stage() as st:
+            # A ring batch's columns stay in the ring's device mirror until the gather below
+            # reads them; an owned stage never writes the mirror, so even a claim of the
+            # batch's own slot leaves them intact. An owned batch takes a ring stage.
+            owned_bytes = keep.nbytes if self.lease is not None else None
+            with self.pool.stage(owned_bytes=owned_bytes) as st:
                 keep_device = st.put(keep, torch.int64, name="keep_indices")
         elif (
             keep_device.device != self.columns.device
@@ -252,7 +259,6 @@ class SamplingBatchInfo:
                 f"'keep_device' must be int64 shape ({keep.size},) on {self.columns.device} "
                 f"(got {keep_device.dtype} {tuple(keep_device.shape)} on {keep_device.device})"
             )
-        self.check_live()
         # Everything that can raise (the bias copy opens a stage) comes before the first
         # assignment: a failed filter leaves the batch as it was, never half-changed.
         sparse = None

@@ -135,6 +135,38 @@ def test_ring_batch_used_after_recycle_raises_stale_lease() -> None:
         info.filter_batch([0])
 
 
+@pytest.mark.parametrize("num_slots", [2, 4])
+def test_filter_of_a_ring_batch_at_its_last_live_claim_keeps_its_rows(num_slots: int) -> None:
+    """Catches filter_batch staging its indices through a ring claim that recycles the batch's own slot.
+
+    The batch is live (num_slots - 2 claims since it), so the filter's own claim is the one
+    that reuses its slot: a ring stage there overwrites the columns before the gather reads them.
+    """
+    pool = make_pool(num_slots=num_slots)
+    params = [SamplingParams(temperature=0.5, top_p=0.5, seed=11), SamplingParams(temperature=2.0, top_p=0.25, seed=22)]
+    info = SamplingBatchInfo.from_schedule_batch(Batch([Req(p) for p in params]), VOCAB, pool)
+    for _ in range(num_slots - 1):
+        with pool.stage() as st:
+            st.put([7.0] * 16, torch.float32)
+    info.filter_batch([1])
+    want = SamplingBatchInfo.from_schedule_batch(Batch([Req(params[1])]), VOCAB, pool, owned=True)
+    assert info.temperatures.tolist() == want.temperatures.tolist() == [[2.0]]
+    assert info.top_ps.tolist() == want.top_ps.tolist()
+
+
+def test_a_filter_of_a_stale_ring_batch_raises_before_it_stages_anything() -> None:
+    """Catches filter_batch claiming a slot (and so moving the ring on) before it finds its batch stale."""
+    pool = make_pool(num_slots=2)
+    info = SamplingBatchInfo.from_schedule_batch(Batch([Req(SamplingParams(top_p=0.5))] * 2), VOCAB, pool)
+    for _ in range(2):
+        with pool.stage() as st:
+            st.put([1.0], torch.float32)
+    claims = pool.claims
+    with pytest.raises(StaleLeaseError):
+        info.filter_batch([0])
+    assert pool.claims == claims
+
+
 def test_device_and_empty_batch_errors() -> None:
     """Catches a batch staged for one device into a pool of another, and an empty batch."""
     pool = make_pool()

@@ -71,5 +71,12 @@ def test_batch_allocation_is_all_or_nothing() -> None:
     with pytest.raises(AllocationError, match="nothing was allocated"):
         allocate_extend(rows, kv, 5, 1)
     assert (rows.available_size(), kv.available_size()) == (4, 10)
+    # Counts the KV allocator would refuse only after the rows were taken: refused first.
+    for bad in (-1, True, 2.0):
+        with pytest.raises(AllocationError, match="'num_tokens' must be an int >= 0"):
+            allocate_extend(rows, kv, 2, bad)  # type: ignore[arg-type]
+        with pytest.raises(AllocationError, match="'num_reqs' must be an int >= 0"):
+            allocate_extend(rows, kv, bad, 2)  # type: ignore[arg-type]
+    assert (rows.available_size(), kv.available_size()) == (4, 10)
     got_rows, slots = allocate_extend(rows, kv, 2, 10)
     assert (len(got_rows), slots.numel()) == (2, 10)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -172,6 +173,8 @@ def test_none_means_sglangs_default() -> None:
         ({"logit_bias": {"3": -1e39}}, "'logit_bias' values of request 1 must be finite and fit float32 (got -1e+39"),
         ({"top_k": True}, "'top_k' of request 1 must be an int (got True)"),
         ({"temperature": True}, "'temperature' of request 1 must be a real number (got True)"),
+        ({"min_p": np.True_}, "'min_p' of request 1 must be a real number (got "),
+        ({"top_k": np.True_}, "'top_k' of request 1 must be an int (got "),
     ],
 )
 @pytest.mark.parametrize("bs", [2, sglang_params.SMALL_BATCH + 5])
