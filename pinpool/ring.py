@@ -53,6 +53,7 @@ def _dead_ref() -> torch.Tensor | None:
     return None
 
 
+_OwnedRange = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 _POISON_BYTE = 0xFF  # NaN in every float dtype, -1 in every signed int dtype
 
 
@@ -115,7 +116,8 @@ class PinnedRingBuffer:
         self._copy_ranges: list[BoundedCache[int, tuple[torch.Tensor, torch.Tensor]]] = [
             BoundedCache() for _ in range(num_slots)
         ]
-        self._owned_ranges: list[BoundedCache[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [
+        #: Per slot: (buffer id, bytes) -> (buffer, its slice, the slot's slice, the buffer's address).
+        self._owned_ranges: list[BoundedCache[tuple[int, int], _OwnedRange]] = [
             BoundedCache() for _ in range(num_slots)
         ]
         self._readback_views: list[BoundedCache[tuple[Any, ...], tuple[torch.Tensor, Any, int]]] = [
@@ -362,11 +364,15 @@ class PinnedRingBuffer:
             # size): its two slices are cached like the ring's own, keyed by the buffer's
             # identity and kept with it, so a recycled id can never match. (A buffer the
             # pool allocated per stage, owned_bytes=, is new each time: never cached.)
+            # The buffer's address is kept too: ``.data =`` or ``set_`` give the same object
+            # other memory, which a cached slice (still on the old storage) would not see.
             key = (id(owned), nbytes)
             hit = self._owned_ranges[st.slot].get(key)
-            if hit is None or hit[0] is not owned:
-                hit = self._owned_ranges[st.slot].put(key, (owned, owned[:nbytes], layout.host_raw[:nbytes]))
-            _, dst, src = hit
+            if hit is None or hit[0] is not owned or hit[3] != owned.data_ptr():
+                hit = self._owned_ranges[st.slot].put(
+                    key, (owned, owned[:nbytes], layout.host_raw[:nbytes], owned.data_ptr())
+                )
+            _, dst, src, _ = hit
         else:
             ranges = self._copy_ranges[st.slot]
             pair = ranges.get(nbytes)
@@ -385,27 +391,32 @@ class PinnedRingBuffer:
             return
         self._open = None
         counters = self._counters
-        if not ok and not st.copy_issued:
-            # Nothing was copied, so the slot's last fence (already passed) still guards
+        slot = st.slot
+        landings = st.landings
+        if not ok and not (st.copy_issued or landings or self._retained[slot]):
+            # Nothing was copied, no kernel was handed the slot's landing bytes and nothing
+            # is retained for one, so the slot's last fence (already passed) still guards
             # it: hand the same slot to the next stage. Its generation moves on, so views
             # from this stage read as stale.
             counters.aborted_stages += 1
-            _log.debug("stage.aborted", slot=st.slot, generation=st.generation)
+            _log.debug("stage.aborted", slot=slot, generation=st.generation)
             return
         if ok and not st.flushed:
             self.issue_copy(st)
         counters.stages += 1
-        landings = st.landings
-        if not (landings or st.copy_issued or st.used_bytes):
-            return  # nothing in flight: the slot is free for the next claim as it is
-        slot = st.slot
+        if not (landings or st.copy_issued or st.used_bytes or self._retained[slot]):
+            # Nothing in flight: the slot is free for the next claim as it is. (Landing
+            # bytes may have been handed to a writer, and a retained object to a kernel,
+            # with nothing copied: both need the fence below.)
+            return
         if landings:
             # Kernels store into the slot (``Stage.land``), on the stage's stream or a
             # registered consumer: the fence follows them all, as a zero-copy stage's does,
             # even after a read-back's fence (the writers may have been launched after it).
             self._fence_readers(st)
             if self._debug and ok:
-                refuse_unregistered_reader(self._transport, st, [consumer for consumer, _ in self._consumers])
+                covered = [consumer for consumer, _ in self._consumers]
+                refuse_unregistered_reader(self._transport, st, [*covered, *st.guarded_by])
         elif not st.read_back:
             # Rule 1, on the stage's fixed stream: wherever the stage is closed, the fence
             # follows its copy. (After a stage read-back the fence is already recorded
@@ -423,8 +434,9 @@ class PinnedRingBuffer:
             return
         self._open = None
         counters = self._counters
-        if not (st.used_bytes or st.copy_issued or st.landings):
-            # Nothing was put, so no kernel can be reading the slot: hand it on as it is.
+        if not (st.used_bytes or st.copy_issued or st.landings or self._retained[st.slot]):
+            # Nothing was put or retained, so no kernel can be reading the slot or need what
+            # it keeps alive: hand it on as it is.
             if ok:
                 counters.stages += 1
                 counters.zero_copy_stages += 1

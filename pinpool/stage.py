@@ -60,6 +60,11 @@ def landing_offsets(numel: int, dtype: torch.dtype) -> np.ndarray[Any, Any]:
     return offsets
 
 
+#: Why a stage with landings that was never flushed is refused at close.
+LAND_WITHOUT_FLUSH = (
+    "land() needs flush() before close: the writer must be launched between the two, after the copy that "
+    "carries its addresses; the stage was aborted and nothing was copied"
+)
 _NESTED = (list, tuple, np.ndarray)
 #: torch dtype -> its numpy dtype object (compared by identity: numpy keeps one per builtin
 #: native-order type, so a byte-swapped array takes the converting path).
@@ -95,6 +100,7 @@ class Stage:
         "copy_issued",
         "flushed",
         "generation",
+        "guarded_by",
         "owned_device",
         "owned_reused",
         "read_back",
@@ -139,6 +145,9 @@ class Stage:
         self.read_back = False
         #: True once a copy of this stage is queued: its fence must then be recorded.
         self.copy_issued = False
+        #: Streams besides the registered consumers whose work the slot's fence follows (a
+        #: ``StaticInputs`` block's readers): debug mode does not refuse a close under them.
+        self.guarded_by: tuple[Stream, ...] = ()
 
     # -- context manager ---------------------------------------------------------------
     def __enter__(self) -> Stage:
@@ -156,6 +165,11 @@ class Stage:
             # copy issued only now, at close, no writer can have stored into the slot.
             flushed = self.flushed
             self._open = False
+            if ok and not flushed and self._landings:
+                # The copy would carry live addresses that a kernel launched after close
+                # could still store through, past the slot's fence: abort instead.
+                self._pool.finish_stage(self, False)
+                raise PoolStateError(LAND_WITHOUT_FLUSH)
             self._pool.finish_stage(self, ok)
             if ok and flushed and self._landings:
                 self.arm_landings()

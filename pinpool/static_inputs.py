@@ -40,7 +40,7 @@ from pinpool.exceptions import PoolStateError, SettingsError, StagingTypeError, 
 from pinpool.readback import Landing, Readback
 from pinpool.ring import PinnedRingBuffer
 from pinpool.slots import BoundedCache
-from pinpool.stage import Stage, landing_itemsize, landing_offsets
+from pinpool.stage import LAND_WITHOUT_FLUSH, Stage, landing_itemsize, landing_offsets
 from pinpool.transport import Fence, Stream
 
 #: Each field's first byte is aligned to this, whatever the dtypes around it.
@@ -512,6 +512,11 @@ class StaticStage:
         if not self.stage.is_open:
             return
         if ok and not self.flushed:
+            if self._landings:
+                # A copy issued now would leave live addresses in the block, for a replay
+                # launched after close to store through past the slot's fence: abort.
+                self._block.finish(self, ok=False)
+                raise PoolStateError(LAND_WITHOUT_FLUSH)
             self._check_complete()  # raises, the stage aborted, when a field was not written
         # The addresses travel in the copy and the replay that stores runs after it: a copy
         # issued only now, at close, means no replay can have stored this step's values.
@@ -521,6 +526,7 @@ class StaticStage:
             # ring's close on the stage's stream (after any read-back's, since the stage has
             # landing bytes), must follow it.
             self._block.fence_after_readers(self.stage.stream)
+            self.stage.guarded_by = self._block.readers
         self._block.finish(self, ok)
         if ok and flushed:
             for handle in self._landings:

@@ -88,7 +88,8 @@ def refuse_unregistered_reader(transport: Transport, st: Stage, consumers: Seque
     if transport.same_stream(current, st.stream) or any(transport.same_stream(current, c) for c in consumers):
         return
     raise UnguardedReaderError(
-        f"zero-copy stage {st.generation} closed while stream {current!r} is current, which is neither the "
+        f"{'zero-copy stage' if isinstance(st, ZeroCopyStage) else 'stage with landings'} {st.generation} closed "
+        f"while stream {current!r} is current, which is neither the "
         f"stage's stream ({st.stream!r}) nor a registered consumer: kernels there are not covered by the slot's "
         "fence. Register it with pool.register_consumer_stream(stream), or launch the readers on the stage's stream"
     )

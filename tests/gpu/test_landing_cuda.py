@@ -179,3 +179,31 @@ def test_control_plain_stage_landings_on_an_unregistered_stream_read_wrong_value
     wrong = run_stage_landings(register=False)
     print(f"unregistered: {len(wrong)} wrong reads of 60")
     assert len(wrong) >= 10, wrong[:3]
+
+
+@pytest.mark.parametrize("current_index", [0, 1] if TWO_GPUS else [0])
+def test_an_aborted_stage_waits_for_the_writer_it_handed_its_landing_to(current_index: int) -> None:
+    """Catches an aborted stage that copied nothing handing its slot straight to the next stage while
+    the landing kernel it launched (on a registered consumer, behind lag) has yet to store: that
+    kernel then overwrites the next stage's landing at the same bytes. Also with another device current."""
+    dev = torch.device("cuda", 0)
+    pool = PinnedRingBuffer(PoolSettings(device=dev, num_slots=2, slot_bytes=4096, zero_copy=True))
+    side = torch.cuda.Stream(dev)
+    pool.register_consumer_stream(side)
+    n = 8
+    with torch.cuda.device(current_index):
+        st = pool.stage()
+        addresses, _ = st.land(n)
+        st.flush()
+        side.wait_stream(torch.cuda.current_stream(dev))  # the addresses' copy first
+        with use_stream(side):
+            torch.cuda._sleep(50_000_000)  # ~25 ms: still asleep when the next stage lands
+            land(torch.full((n,), -7, dtype=torch.int64, device=dev), addresses)
+        st.close(ok=False)  # an error after the writer was launched
+        with pool.stage() as nxt:
+            next_addresses, handle = nxt.land(n)
+            nxt.flush()
+            land(torch.arange(n, device=dev), next_addresses)  # on the stage's stream, at once
+        assert handle.tolist() == list(range(n))
+        assert torch.cuda.current_device() == current_index
+    torch.cuda.synchronize(dev)

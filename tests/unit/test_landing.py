@@ -297,18 +297,21 @@ def test_a_put_after_a_landing_never_reaches_its_bytes(zero_copy: bool) -> None:
         with pytest.raises(CapacityError):
             st.put(np.arange(room + 1, dtype=np.int64))
         st.put(list(range(room - 8)), torch.int64)  # what fits still goes in
+        st.flush()
 
 
-def test_a_handle_whose_stage_closed_without_flush_never_reads() -> None:
-    """Catches a landing armed although its addresses were copied only at close: no writer can have
-    stored after that copy, so the slot still holds an older step's bytes."""
+def test_a_stage_with_a_landing_closed_without_flush_is_refused_and_its_handle_never_reads() -> None:
+    """Catches a landing whose addresses are copied only at close: no writer can have stored after
+    that copy, and one launched after close would store past the slot's fence. The close aborts
+    (nothing copied) and raises; the handle stays unreadable."""
     pool = plain_pool()
-    with pool.stage() as st:
+    with pytest.raises(PoolStateError, match="needs flush"), pool.stage() as st:
         _, handle = st.land(2)
+    assert pool.stats().copies == 0
     with pytest.raises(PoolStateError, match="before its stage closed"):
         handle.tolist()
     _, block = cpu_block()
-    with block.stage(2, 2) as sst:
+    with pytest.raises(PoolStateError, match="needs flush"), block.stage(2, 2) as sst:
         sst.put("x", [1, 2])
         static_handle = sst.land("dst")
     with pytest.raises(PoolStateError, match="before its stage closed"):
