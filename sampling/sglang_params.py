@@ -64,8 +64,8 @@ def _column(objs: Sequence[Any], name: str, integral: bool) -> np.ndarray[Any, A
         # array.array takes True (and numpy's True, through __float__ / __index__) as 1: a
         # bool is never a sampling parameter, so the checked path below refuses it, as the
         # small-batch path does (one C-level pass).
-        kinds = set(map(type, values))
-        if bool in kinds or np.bool_ in kinds:
+        seen = set(map(type, values))
+        if bool in seen or np.bool_ in seen:
             raise TypeError("bool")
         fast = array.array("q" if integral else "d", values)
         return np.frombuffer(fast, np.int64 if integral else np.float64)
