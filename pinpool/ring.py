@@ -453,21 +453,39 @@ class PinnedRingBuffer:
         if self._debug and ok:
             refuse_unregistered_reader(self._transport, st, [consumer for consumer, _ in self._consumers])
 
-    def copy_back(self, slot: int, generation: int, src: torch.Tensor, offset: int, stream: Stream) -> Readback:
-        """One device-to-pinned copy of ``src`` into ``slot`` at ``offset`` on ``stream``, then the slot's fence."""
+    def readback_views(self, slot: int, src: torch.Tensor, offset: int) -> tuple[torch.Tensor, Any, int]:
+        """(pinned torch view, numpy view, bytes) that a read-back of ``src`` at ``offset`` of ``slot`` copies into.
+
+        Raises the typed errors of a ``src`` it cannot copy, before anything is queued, so a
+        caller can check first and act after (``Stage.readback`` flushes in between).
+        """
         # Fast path: a (dtype, shape, offset) cached for this slot passed the full checks
         # when it was cached; what can differ per call is the device and the layout.
         cache = self._readback_views[slot]
-        views = None
         if type(src) is torch.Tensor and self._device_index >= 0:
             views = cache.get((src.dtype, src.shape, offset))
-            if views is not None and (src.get_device() != self._device_index or not src.is_contiguous()):
-                views = None
+            if views is not None and src.get_device() == self._device_index and src.is_contiguous():
+                return views
+        nbytes = self._check_readback_src(src, offset)  # raises on anything it cannot copy
+        return cache.get((src.dtype, src.shape, offset)) or cache.put(
+            (src.dtype, src.shape, offset), self._host_views_for(slot, src.dtype, src.shape, nbytes, offset)
+        )
+
+    def copy_back(
+        self,
+        slot: int,
+        generation: int,
+        src: torch.Tensor,
+        offset: int,
+        stream: Stream,
+        views: tuple[torch.Tensor, Any, int] | None = None,
+    ) -> Readback:
+        """One device-to-pinned copy of ``src`` into ``slot`` at ``offset`` on ``stream``, then the slot's fence.
+
+        ``views``: what ``readback_views`` returned for these arguments, when the caller checked first.
+        """
         if views is None:
-            nbytes = self._check_readback_src(src, offset)  # raises on anything it cannot copy
-            views = cache.get((src.dtype, src.shape, offset)) or cache.put(
-                (src.dtype, src.shape, offset), self._host_views_for(slot, src.dtype, src.shape, nbytes, offset)
-            )
+            views = self.readback_views(slot, src, offset)
         host_t, host_np, nbytes = views
         self._transport.copy(host_t, src, stream)
         fence = self._fences[slot]

@@ -485,18 +485,21 @@ class Stage:
         """
         if not self._open:
             self._check_open()
-        if not self.flushed:
-            self.flush()
         align = self._align
         offset = (self._cursor + align - 1) // align * align
-        if isinstance(src, torch.Tensor) and offset + src.numel() * src.element_size() > self._tail:
+        pool = self._pool
+        # Every check before the flush: a refused read-back leaves the stage as it was.
+        views = pool.readback_views(self.slot, src, offset)  # typed errors for a src it cannot copy
+        if offset + views[2] > self._tail:
             raise CapacityError(
-                f"'src' needs {src.numel() * src.element_size()} bytes but the slot has {self._tail - offset} left "
+                f"'src' needs {views[2]} bytes but the slot has {self._tail - offset} left "
                 "before its landings; raise PoolSettings.slot_bytes"
             )
+        if not self.flushed:
+            self.flush()
         # The fence is recorded after this copy (and so after the stage's upload and every
         # kernel launched before): the stage's exit need not record it again.
-        handle = self._pool.copy_back(self.slot, self.generation, src, offset, self.stream)
+        handle = pool.copy_back(self.slot, self.generation, src, offset, self.stream, views)
         self._cursor = offset + src.numel() * src.element_size()
         self.read_back = self.copy_issued = True
         return handle

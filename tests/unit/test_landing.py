@@ -355,6 +355,7 @@ def test_a_read_back_of_something_not_a_tensor_is_a_typed_error() -> None:
     with pool.stage() as st:
         st.land(1)
         st.put([1], torch.int64)
+        st.flush()  # a refused read-back flushes nothing itself
         with pytest.raises(PoolStateError, match=r"'src' must be a torch\.Tensor"):
             st.readback([1, 2, 3])  # type: ignore[arg-type]
 

@@ -174,3 +174,29 @@ def test_stage_readback_records_one_fence_and_refuses_retain_after_it() -> None:
             st.retain(torch.zeros(1))
     assert [c for c, _ in gpu.calls].count("cudaEventRecord") == 1
     assert handle.tolist() == [5, 6]
+
+
+@pytest.mark.parametrize(
+    "src",
+    [
+        torch.zeros(2, dtype=torch.bfloat16),  # no numpy dtype
+        torch.zeros(4, 2, dtype=torch.int64).t(),  # not contiguous
+        torch.zeros(2, device="meta"),  # another device
+        [1, 2],  # not a tensor
+    ],
+    ids=["dtype", "layout", "device", "type"],
+)
+def test_a_refused_stage_readback_leaves_the_stage_unflushed(src: object) -> None:
+    """Catches a stage read-back that flushes before checking its source: the refusal would
+    leave the stage flushed, so later puts raise and the values put so far land early."""
+    gpu = LaggingGpu(max_lag=4, seed=3)
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=256), transport=gpu)
+    with pool.stage() as st:
+        first = st.put([1, 2], torch.int64)
+        with pytest.raises((ValueError, RuntimeError)):
+            st.readback(src)  # type: ignore[arg-type]
+        assert not st.flushed
+        second = st.put([3], torch.int64)  # still open for puts
+    gpu.drain()
+    assert (first.tolist(), second.tolist()) == ([1, 2], [3])
+    assert (pool.stats().copies, pool.stats().readbacks) == (1, 0)
