@@ -215,7 +215,9 @@ def _spread(results: list[dict[str, Any]], key: str) -> Spread | None:
 def workload(ctx: BenchContext) -> list[Table]:
     cuda = ctx.is_cuda
     steps = ctx.steps or (48 if cuda else 10)
-    rounds = max(1, min(ctx.repeats, 3))
+    # At most 5 rounds (--repeats): each round captures and runs every mode again. A host
+    # hiccup during one round moves a median of 3 rounds; a median of 5 needs three.
+    rounds = max(1, min(ctx.repeats, 5))
     plan = list(PLAN) if cuda else [("tiny", (4,), True)]
     only = os.environ.get("PINPOOL_GRAPH_CONFIGS")
     if only:

@@ -105,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="timed calls per block, fewer when one block would pass 0.25 s (default: 100)",
     )
     bench.add_argument(
-        "--repeats", type=int, default=3, help="blocks per figure; decode loop: rounds per mode (default: 3)"
+        "--repeats",
+        type=int,
+        default=3,
+        help="blocks per figure; decode loops: rounds per mode, at most 5 for graph decode (default: 3)",
     )
     bench.add_argument(
         "--workloads",
