@@ -59,14 +59,14 @@ class PerFieldSamplingInfo:
     def check_live(self) -> None:
         return None
 
-    def filter_batch(self, keep: Sequence[int], keep_device: torch.Tensor) -> None:
+    def filter_batch(self, keep: Sequence[int], keep_indices_device: torch.Tensor) -> None:
         self._params = [self._params[i] for i in keep]
-        self.temperatures = self.temperatures.index_select(0, keep_device)
-        self.top_ps = self.top_ps.index_select(0, keep_device)
-        self.top_ks = self.top_ks.index_select(0, keep_device)
-        self.min_ps = self.min_ps.index_select(0, keep_device)
+        self.temperatures = self.temperatures.index_select(0, keep_indices_device)
+        self.top_ps = self.top_ps.index_select(0, keep_indices_device)
+        self.top_ks = self.top_ks.index_select(0, keep_indices_device)
+        self.min_ps = self.min_ps.index_select(0, keep_indices_device)
         assert self.sampling_seed is not None
-        self.sampling_seed = self.sampling_seed.index_select(0, keep_device)
+        self.sampling_seed = self.sampling_seed.index_select(0, keep_indices_device)
         self._flags()
 
     def merge_batch(self, other: PerFieldSamplingInfo) -> None:

@@ -221,11 +221,11 @@ class SamplingBatchInfo:
 
     # -- batch edits (no host sync) ----------------------------------------------------
     def filter_batch(
-        self, keep_indices: Sequence[int] | np.ndarray[Any, Any], keep_device: torch.Tensor | None = None
+        self, keep_indices: Sequence[int] | np.ndarray[Any, Any], keep_indices_device: torch.Tensor | None = None
     ) -> None:
         """Keep the rows ``keep_indices`` (host ints), in that order.
 
-        ``keep_device``: the same indices already on the device (int64). Without it they
+        ``keep_indices_device``: the same indices already on the device (int64). Without it they
         are staged through the pool (one small copy). Rows with a logit bias cost one
         more copy: their entries, renumbered on the host, into memory the batch owns.
         """
@@ -243,21 +243,21 @@ class SamplingBatchInfo:
         # Before anything is staged: staging claims a slot, and that claim may be the one
         # that recycles this batch's own (a ring batch is live for num_slots - 1 claims).
         self.check_live()
-        if keep_device is None:
+        if keep_indices_device is None:
             # A ring batch's columns stay in the ring's device mirror until the gather below
             # reads them; an owned stage never writes the mirror, so even a claim of the
             # batch's own slot leaves them intact. An owned batch takes a ring stage.
             owned_bytes = keep.nbytes if self.lease is not None else None
             with self.pool.stage(owned_bytes=owned_bytes) as st:
-                keep_device = st.put(keep, torch.int64, name="keep_indices")
+                keep_indices_device = st.put(keep, torch.int64, name="keep_indices")
         elif (
-            keep_device.device != self.columns.device
-            or keep_device.shape != (keep.size,)
-            or keep_device.dtype != torch.int64
+            keep_indices_device.device != self.columns.device
+            or keep_indices_device.shape != (keep.size,)
+            or keep_indices_device.dtype != torch.int64
         ):
             raise BatchMismatchError(
-                f"'keep_device' must be int64 shape ({keep.size},) on {self.columns.device} "
-                f"(got {keep_device.dtype} {tuple(keep_device.shape)} on {keep_device.device})"
+                f"'keep_indices_device' must be int64 shape ({keep.size},) on {self.columns.device} "
+                f"(got {keep_indices_device.dtype} {tuple(keep_indices_device.shape)} on {keep_indices_device.device})"
             )
         # Everything that can raise (the bias copy opens a stage) comes before the first
         # assignment: a failed filter leaves the batch as it was, never half-changed.
@@ -265,7 +265,7 @@ class SamplingBatchInfo:
         if self.sparse_logit_bias is not None:
             block = self.sparse_logit_bias.filtered(self.host_records["n_bias"], keep)
             sparse = SparseLogitBias.land(self.pool, block)
-        selected = columns.select(self.columns, bs, keep_device)
+        selected = columns.select(self.columns, bs, keep_indices_device)
         self.columns = selected
         self.host_records = self.host_records[keep]
         self.sparse_logit_bias = sparse

@@ -87,7 +87,7 @@ def test_filter_and_merge_match_a_from_scratch_build() -> None:
     other = SamplingBatchInfo.from_schedule_batch(Batch([Req(p) for p in b]), VOCAB, pool, deterministic=True)
     info.merge_batch(other)
     assert_matches(info, [a[i] for i in keep] + b)
-    info.filter_batch(np.array([7]), keep_device=torch.tensor([7]))
+    info.filter_batch(np.array([7]), keep_indices_device=torch.tensor([7]))
     assert_matches(info, [b[4]])
 
 

@@ -116,7 +116,7 @@ def test_filter_and_merge_of_a_stage_bound_batch_are_refused() -> None:
     with pool.stage(zero_copy=True) as st:
         bound = build(make_batch("native", 3, seed=1), pool, stage=st)
         with pytest.raises(PoolStateError, match="lives only for that stage"):
-            bound.filter_batch([0], keep_device=torch.tensor([0]))
+            bound.filter_batch([0], keep_indices_device=torch.tensor([0]))
         with pytest.raises(PoolStateError, match="merge_batch"):
             running.merge_batch(bound)
         with pytest.raises(PoolStateError, match="merge_batch"):
