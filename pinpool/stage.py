@@ -483,24 +483,35 @@ class Stage:
         read-backs may follow each other. Read the handle within ``num_slots`` stages,
         like ``pool.readback``.
         """
+        return self.readback_planned(src, self.readback_plan(src))
+
+    def readback_plan(self, src: torch.Tensor) -> tuple[int, tuple[torch.Tensor, Any, int]]:
+        """Where ``readback(src)`` would copy in this slot, checked: (offset, the pinned views).
+
+        Raises the typed errors of a read-back it cannot do and changes nothing, so a
+        caller that must flush its own way first (``StaticStage``) can check before it.
+        """
         if not self._open:
             self._check_open()
         align = self._align
         offset = (self._cursor + align - 1) // align * align
-        pool = self._pool
-        # Every check before the flush: a refused read-back leaves the stage as it was.
-        views = pool.readback_views(self.slot, src, offset)  # typed errors for a src it cannot copy
+        views = self._pool.readback_views(self.slot, src, offset)  # typed errors for a src it cannot copy
         if offset + views[2] > self._tail:
             raise CapacityError(
                 f"'src' needs {views[2]} bytes but the slot has {self._tail - offset} left "
                 "before its landings; raise PoolSettings.slot_bytes"
             )
+        return offset, views
+
+    def readback_planned(self, src: torch.Tensor, plan: tuple[int, tuple[torch.Tensor, Any, int]]) -> Readback:
+        """``readback`` with ``readback_plan(src)`` already taken: flush if needed, then the copy and the fence."""
+        offset, views = plan
         if not self.flushed:
             self.flush()
         # The fence is recorded after this copy (and so after the stage's upload and every
         # kernel launched before): the stage's exit need not record it again.
-        handle = pool.copy_back(self.slot, self.generation, src, offset, self.stream, views)
-        self._cursor = offset + src.numel() * src.element_size()
+        handle = self._pool.copy_back(self.slot, self.generation, src, offset, self.stream, views)
+        self._cursor = offset + views[2]
         self.read_back = self.copy_issued = True
         return handle
 

@@ -232,7 +232,10 @@ class StaticInputs:
         self._open = None
         st = sst.stage
         if not sst.flushed and not ok:
-            st.close(ok=False)  # nothing copied: the block keeps the previous step's values
+            # Nothing copied: the block keeps the last copied step's values, its landing addresses
+            # included, which point into that step's slot (reused num_slots claims later):
+            # replaying after an aborted step would store there (README, rule 9).
+            st.close(ok=False)
             return
         try:
             if not sst.flushed:
@@ -433,12 +436,16 @@ class StaticStage:
         is recorded after this copy, so close adds none. Read the handle within
         ``num_slots`` claims of the pool, like ``pool.readback``.
         """
+        if not self.stage.is_open:
+            raise PoolStateError("this static stage is closed: open the next step's with block.stage()")
+        # Every check of ``src`` before the copy: a refused read-back leaves the step open.
+        plan = self.stage.readback_plan(src)
         if not self.flushed:
             self.flush()
         # ``src`` is written by the replay, which may run on a registered reader: the
         # read-back's stream waits (on the device) for the work queued there so far.
         self._block.wait_for_readers(self.stage.stream)
-        return self.stage.readback(src)
+        return self.stage.readback_planned(src, plan)
 
     def land(self, name: str, dtype: torch.dtype = torch.int64) -> Landing:
         """Have the replay write ``live`` values of ``dtype`` straight into this step's slot: no read-back copy.

@@ -126,3 +126,27 @@ def test_an_exchange_readback_after_a_replay_on_a_registered_reader_reads_that_r
         if got != [7, 7, 7, 7]:
             wrong.append((seed, got))
     assert not wrong, f"read-back taken before the replay on the registered reader ran: {wrong}"
+
+
+@pytest.mark.parametrize(
+    "src",
+    [torch.zeros(4, dtype=torch.complex64), torch.zeros(4, 2).t(), torch.zeros(1 << 10, dtype=torch.int64)],
+    ids=["dtype", "layout", "too-big"],
+)
+def test_a_refused_static_readback_issues_no_copy_and_leaves_the_step_open(src: torch.Tensor) -> None:
+    """Catches a static read-back that issues the step's copy before checking its source: the
+    refusal would leave the block's copy queued and the step flushed, unable to finish."""
+    gpu = LaggingGpu(max_lag=3, seed=5)
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=3, slot_bytes=SLOT_BYTES), transport=gpu)
+    block = StaticInputs(pool, FIELDS, max_rows=8)
+    st = block.stage(4, 2)
+    st.put("step", np.array([1, 1], np.int64))
+    with pytest.raises((ValueError, RuntimeError)):
+        st.readback(src)
+    assert not st.flushed and pool.stats().copies == 0
+    st.put("temps", np.array([0.5, 0.5], np.float32))  # the step goes on
+    st.readback(torch.tensor([3, 4]))
+    st.close()
+    gpu.drain()
+    assert block.views(4)["step"].tolist() == [1, 1, -1, -1]
+    assert pool.stats().copies == 1
