@@ -257,9 +257,12 @@ class PinnedRingBuffer:
         """
         self._check_usable()
         stream = self._transport.resolve_stream(stream)
-        self._check_readback_src(src, 0)  # before claiming: a refused call leaves the ring as it was
+        # Checked before claiming (the claim takes ``_next_slot``): a refused call leaves the
+        # ring as it was. The views are only addresses: taking them before the slot's fence
+        # wait reads nothing.
+        views = self.readback_views(self._next_slot, src, 0)
         slot = self._claim(stream, writes_mirror=False)
-        handle = self.copy_back(slot, self._generation, src, 0, stream)
+        handle = self.copy_back(slot, self._generation, src, 0, stream, views)
         self._next_slot = (slot + 1) % self._num_slots
         return handle
 
