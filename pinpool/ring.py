@@ -54,6 +54,13 @@ def _dead_ref() -> torch.Tensor | None:
 
 
 _OwnedRange = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+#: Why a stage or read-back is refused on a stream that is capturing a CUDA graph.
+CAPTURE_REFUSAL = (
+    "'stream' is capturing a CUDA graph: a stage's copy and fence (or a zero-copy stage's "
+    "reads) would be baked into the graph at this slot's address, and every replay would "
+    "read or write the slot after the ring has reused it; stage before the capture or "
+    "between replays, and give the graph StaticInputs views (fixed addresses)"
+)
 _POISON_BYTE = 0xFF  # NaN in every float dtype, -1 in every signed int dtype
 
 
@@ -218,6 +225,8 @@ class PinnedRingBuffer:
         if self._open is not None or self._closed or self._debug:
             self._check_usable()  # raises, or (debug) checks the calling thread
         stream = self._transport.resolve_stream(stream)
+        if self._transport.capturing(stream):
+            raise PoolStateError(CAPTURE_REFUSAL)
         if zero_copy:
             return self._zero_copy_stage(stream, owned_bytes, owned)
         reused = reuse_owned and owned is not None
@@ -257,6 +266,8 @@ class PinnedRingBuffer:
         """
         self._check_usable()
         stream = self._transport.resolve_stream(stream)
+        if self._transport.capturing(stream):
+            raise PoolStateError(CAPTURE_REFUSAL)
         # Checked before claiming (the claim takes ``_next_slot``): a refused call leaves the
         # ring as it was. The views are only addresses: taking them before the slot's fence
         # wait reads nothing.

@@ -19,7 +19,8 @@ Failures are recorded, not raised, so a property test can report them:
 - ``mismatches``: a queued reader ("kernel") that found other values than the ones
   staged (rule 2 broken: the region was overwritten before its reader ran; for a
   zero-copy view, rule 1: the host rewrote the slot before its reader ran);
-- ``errors``: work handed to a stream of another device.
+- ``errors``: work handed to a stream of another device, or to a stream a test marked as
+  capturing a CUDA graph (``SimStream.capturing``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class SimStream:
         #: How often the device picks this stream when several can run: streams of one
         #: device drift apart, as a busy forward stream lags an idle copy stream.
         self.speed = gpu.rng.uniform(0.05, 1.0)
+        #: True while a test models a CUDA graph capture on this stream: work submitted to
+        #: it is recorded in ``errors`` (it would be baked into the graph, not run).
+        self.capturing = False
 
     def __repr__(self) -> str:
         return f"SimStream({self.name!r}, device {self.device_index})"
@@ -162,6 +166,9 @@ class LaggingGpu:
     def same_stream(self, a: SimStream, b: SimStream) -> bool:
         return a is b
 
+    def capturing(self, stream: SimStream) -> bool:
+        return stream.capturing
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: SimStream) -> None:
         to_host = self._is_host(dst)
         pinned = dst if to_host else src
@@ -225,6 +232,8 @@ class LaggingGpu:
         if stream.device_index != self.device_index:
             # CUDA rejects work for one device's event or memory on another device's stream.
             self.errors.append(f"{call} on {stream!r} for a pool on device {self.device_index}")
+        if stream.capturing:
+            self.errors.append(f"{call} on {stream!r} while it captures a graph: baked in, replayed later")
         self.calls.append((call, stream.name))
         stream.queue.append((op, wait_for))
         self.pending += 1

@@ -58,6 +58,10 @@ class Transport(Protocol):
 
     def same_stream(self, a: Stream, b: Stream) -> bool: ...
 
+    def capturing(self, stream: Stream) -> bool:
+        """True while ``stream`` is capturing a CUDA graph: a stage opened on it would be baked in."""
+        ...
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
         """One copy of ``src`` into ``dst`` on ``stream``: pinned host to device, or back."""
         ...
@@ -119,6 +123,9 @@ class HostTransport:
     def same_stream(self, a: Stream, b: Stream) -> bool:
         return True
 
+    def capturing(self, stream: Stream) -> bool:
+        return False
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
         dst.copy_(src)
 
@@ -151,6 +158,9 @@ _synchronize = getattr(_event_base, "synchronize", _no_cuda)
 _set_stream = getattr(torch._C, "_cuda_setStream", None)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
 _set_device = getattr(torch._C, "_cuda_setDevice", None)
+# Whether the current device's current stream is capturing a CUDA graph (one runtime query,
+# safe during a capture); ``torch.cuda.is_current_stream_capturing`` wraps it.
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 
 
 class use_stream:
@@ -285,6 +295,20 @@ class CudaTransport:
 
     def same_stream(self, a: Stream, b: Stream) -> bool:
         return a is b or a.stream_id == b.stream_id
+
+    def capturing(self, stream: Stream) -> bool:
+        """Whether ``stream`` is capturing a CUDA graph, asked under the pool's device.
+
+        torch can ask only of the current device's current stream: when ``stream`` is not
+        that one (another device current, or a stream passed explicitly), it is made current
+        for the question and the previous stream and device restored (``use_stream``).
+        """
+        if _is_capturing is None or _get_device is None:
+            return False
+        if _get_device() == self.index and _current_stream_of(self.index)[0] == stream.stream_id:
+            return bool(_is_capturing())
+        with use_stream(stream):
+            return bool(_is_capturing())
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
         """One ``cudaMemcpyAsync`` of a contiguous range, on ``stream`` (rule 3).

@@ -96,3 +96,26 @@ def test_none_is_the_host_path_and_touches_nothing(fake: FakeCuda) -> None:
     with transport.use_stream(None):
         assert fake.state() == before
     assert fake.state() == before
+
+
+@pytest.mark.parametrize("current", range(3))
+@pytest.mark.parametrize("is_current", [True, False], ids=["its device's current", "passed"])
+@pytest.mark.parametrize("capturing", [True, False])
+def test_capturing_asks_of_the_stage_stream_on_the_pools_device_and_restores_everything(
+    fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, current: int, is_current: bool, capturing: bool
+) -> None:
+    """Catches a capture check that asks of the current device's stream (another device current) or
+    of the current stream instead of the stage's, or that leaves another stream or device current."""
+    import torch
+
+    captures = {150} if capturing else set()
+    # torch's binding answers for the current device's current stream only.
+    monkeypatch.setattr(transport, "_is_capturing", lambda: fake.current[fake.device] in captures)
+    if is_current:
+        fake.current[1] = 150
+    fake.device = current
+    before = fake.state()
+    cuda = transport.CudaTransport(torch.device("cuda", 1))
+    assert cuda.capturing(stream(150, 1)) is capturing
+    assert cuda.capturing(stream(160, 1)) is False  # another stream of the device: not capturing
+    assert fake.state() == before

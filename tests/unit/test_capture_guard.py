@@ -1,0 +1,92 @@
+"""Staging on a stream that is capturing a CUDA graph is refused (the stream-aware simulator).
+
+A captured copy or fence would be baked into the graph at the slot's address; every
+replay would then read or write that slot after the ring has handed it to another stage:
+silent corruption. The simulator records any work submitted to a stream marked as
+capturing (``SimStream.capturing``), which is the control: with the guard bypassed, the
+same calls leave errors there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pinpool import PinnedRingBuffer, PoolSettings, PoolStateError, StaticField, StaticInputs
+from pinpool.simulated import LaggingGpu, SimStream
+
+FIELDS = (StaticField("step", torch.int64, pad=-1),)
+
+
+def _pool(gpu: LaggingGpu) -> PinnedRingBuffer:
+    return PinnedRingBuffer(PoolSettings(device="cpu", num_slots=3, slot_bytes=1024, zero_copy=True), transport=gpu)
+
+
+def _openers(pool: PinnedRingBuffer, stream: SimStream | None) -> dict[str, Callable[[], Any]]:
+    block = StaticInputs(pool, FIELDS, max_rows=4)
+    return {
+        "stage": lambda: pool.stage(stream=stream),
+        "owned stage": lambda: pool.stage(stream=stream, owned_bytes=64),
+        "zero-copy stage": lambda: pool.stage(stream=stream, zero_copy=True),
+        "read-back": lambda: pool.readback(torch.arange(4), stream=stream),
+        "static stage": lambda: block.stage(4, 2, stream=stream),
+    }
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["current stream", "stream passed"])
+@pytest.mark.parametrize("kind", ["stage", "owned stage", "zero-copy stage", "read-back", "static stage"])
+def test_every_way_to_stage_is_refused_on_a_capturing_stream_and_changes_nothing(kind: str, explicit: bool) -> None:
+    """Catches a stage opened on a capturing stream: its copy and fence would be baked into the graph."""
+    gpu = LaggingGpu(max_lag=4, seed=1, devices=2)
+    pool = _pool(gpu)
+    capture = gpu.new_stream("capture")
+    gpu.set_current(capture)
+    gpu.current_device = 1  # another device current: the pool asks of its own device's stream
+    capture.capturing = True
+    claims, calls = pool.claims, len(gpu.calls)
+    with pytest.raises(PoolStateError, match="capturing a CUDA graph"):
+        _openers(pool, capture if explicit else None)[kind]()
+    assert (pool.claims, len(gpu.calls), gpu.errors) == (claims, calls, [])
+    capture.capturing = False  # the capture ended: the same call works
+    opened = _openers(pool, capture if explicit else None)[kind]()
+    if kind != "read-back":
+        opened.close(ok=False)  # opened is what this test asks; nothing needs copying
+    gpu.drain()
+    assert gpu.errors == []
+
+
+def test_a_stage_on_another_stream_works_while_one_stream_captures() -> None:
+    """Catches a guard that refuses every stage during any capture, or asks the wrong stream."""
+    gpu = LaggingGpu(max_lag=4, seed=2)
+    pool = _pool(gpu)
+    capture, side = gpu.new_stream("capture"), gpu.new_stream("side")
+    gpu.set_current(capture)
+    capture.capturing = True
+    with pool.stage(stream=side) as st:
+        view = st.put([5, 6, 7], torch.int64)
+    gpu.drain()
+    assert view.tolist() == [5, 6, 7]
+    assert gpu.errors == []
+
+
+class _Unguarded(LaggingGpu):
+    """The control: a transport that never reports a capture (the guard bypassed)."""
+
+    def capturing(self, stream: SimStream) -> bool:
+        return False
+
+
+def test_control_without_the_guard_the_work_lands_in_the_capture() -> None:
+    """Shows the simulator catches a missing guard: the stage's copy and fence go to the capturing stream."""
+    gpu = _Unguarded(max_lag=4, seed=3)
+    pool = _pool(gpu)
+    capture = gpu.new_stream("capture")
+    gpu.set_current(capture)
+    capture.capturing = True
+    with pool.stage() as st:
+        st.put(np.arange(4), torch.int64)
+    assert any("captures a graph" in e for e in gpu.errors)
