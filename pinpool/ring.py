@@ -48,6 +48,10 @@ from pinpool.zero_copy import ZeroCopyStage, refuse_unregistered_reader
 _log = get_logger("pinpool")
 
 
+def _never_capturing(stream: Stream) -> bool:
+    return False
+
+
 def _dead_ref() -> torch.Tensor | None:
     """A stand-in for a weak reference whose object is gone (no buffer reused yet)."""
     return None
@@ -86,6 +90,9 @@ class PinnedRingBuffer:
         """
         self.settings = settings if settings is not None else PoolSettings()
         self._transport = transport if transport is not None else transport_for(self.settings.device)
+        #: Whether a graph capture would take a stage on a stream (a caller's own transport may
+        #: not say: then never).
+        self._capturing: Callable[[Stream], bool] = getattr(self._transport, "capturing", _never_capturing)
         if self._transport.device != self.settings.device:
             raise DeviceMismatchError(
                 f"'transport' must serve the settings' device {self.settings.device} (got {self._transport.device})"
@@ -225,7 +232,7 @@ class PinnedRingBuffer:
         if self._open is not None or self._closed or self._debug:
             self._check_usable()  # raises, or (debug) checks the calling thread
         stream = self._transport.resolve_stream(stream)
-        if self._transport.capturing(stream):
+        if self._capturing(stream):
             raise PoolStateError(CAPTURE_REFUSAL)
         if zero_copy:
             return self._zero_copy_stage(stream, owned_bytes, owned)
@@ -266,7 +273,7 @@ class PinnedRingBuffer:
         """
         self._check_usable()
         stream = self._transport.resolve_stream(stream)
-        if self._transport.capturing(stream):
+        if self._capturing(stream):
             raise PoolStateError(CAPTURE_REFUSAL)
         # Checked before claiming (the claim takes ``_next_slot``): a refused call leaves the
         # ring as it was. The views are only addresses: taking them before the slot's fence

@@ -20,7 +20,8 @@ Failures are recorded, not raised, so a property test can report them:
   staged (rule 2 broken: the region was overwritten before its reader ran; for a
   zero-copy view, rule 1: the host rewrote the slot before its reader ran);
 - ``errors``: work handed to a stream of another device, or to a stream a test marked as
-  capturing a CUDA graph (``SimStream.capturing``).
+  capturing a CUDA graph (``SimStream.capturing``), and event queries or waits while any
+  stream captures (CUDA's global capture mode refuses them).
 """
 
 from __future__ import annotations
@@ -85,9 +86,13 @@ class SimFence:
         self.marker = marker
 
     def query(self) -> bool:
+        # torch captures in its "global" mode: while any capture runs, an event query from
+        # the host is refused and the capture is invalidated.
+        self._gpu.note_capture_unsafe("cudaEventQuery")
         return self.marker is None or self.marker.done
 
     def synchronize(self) -> None:
+        self._gpu.note_capture_unsafe("cudaEventSynchronize")
         self._gpu.host_waits += 1
         marker = self.marker
         if marker is not None:
@@ -167,7 +172,10 @@ class LaggingGpu:
         return a is b
 
     def capturing(self, stream: SimStream) -> bool:
-        return stream.capturing
+        # As the CUDA transport asks: the stage's stream, the pool device's current stream and
+        # the current device's current stream.
+        current = self._current
+        return stream.capturing or current[self.device_index].capturing or current[self.current_device].capturing
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: SimStream) -> None:
         to_host = self._is_host(dst)
@@ -226,6 +234,13 @@ class LaggingGpu:
 
     def drain(self) -> None:
         self.run_until(lambda: self.pending == 0)
+
+    def note_capture_unsafe(self, call: str) -> None:
+        """Record ``call`` as an error while any stream captures (CUDA's global capture mode refuses it)."""
+        for stream in self.streams:
+            if stream.capturing:
+                self.errors.append(f"{call} while {stream!r} captures a graph: refused, the capture invalidated")
+                return
 
     # -- internals ---------------------------------------------------------------------
     def submit(self, stream: SimStream, op: Op, call: str, wait_for: _Marker | None = None) -> None:

@@ -59,7 +59,11 @@ class Transport(Protocol):
     def same_stream(self, a: Stream, b: Stream) -> bool: ...
 
     def capturing(self, stream: Stream) -> bool:
-        """True while ``stream`` is capturing a CUDA graph: a stage opened on it would be baked in."""
+        """True while a CUDA graph capture would take a stage on ``stream``: ``stream``, the pool
+        device's current stream or the current device's current stream is capturing.
+
+        Optional for a caller's own transport (the ring then assumes no capture).
+        """
         ...
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
@@ -297,16 +301,31 @@ class CudaTransport:
         return a is b or a.stream_id == b.stream_id
 
     def capturing(self, stream: Stream) -> bool:
-        """Whether ``stream`` is capturing a CUDA graph, asked under the pool's device.
+        """Whether a graph capture would take a stage on ``stream``.
 
-        torch can ask only of the current device's current stream: when ``stream`` is not
-        that one (another device current, or a stream passed explicitly), it is made current
-        for the question and the previous stream and device restored (``use_stream``).
+        Three streams are asked: the current device's current stream (the body of a
+        ``torch.cuda.graph``: in its default mode even a fence query on another stream
+        breaks the capture), the pool device's current stream, and ``stream`` itself (a
+        stream forked into a capture). torch answers only for the current device's current
+        stream, so the others are made current for the question and everything restored.
+        Common case (``stream`` is the pool device's current stream, that device current):
+        three C calls. A capture this thread cannot see from these (another thread's, or
+        one on a stream that is none of them) is not detected.
         """
-        if _is_capturing is None or _get_device is None:
+        if _is_capturing is None or _get_device is None or _set_device is None:
             return False
-        if _get_device() == self.index and _current_stream_of(self.index)[0] == stream.stream_id:
-            return bool(_is_capturing())
+        if _is_capturing():
+            return True
+        device = _get_device()
+        if device != self.index:
+            _set_device(self.index)
+            try:
+                if _is_capturing():  # the pool device's current stream
+                    return True
+            finally:
+                _set_device(device)
+        if _current_stream_of(self.index)[0] == stream.stream_id:
+            return False  # ``stream`` is the pool device's current stream: already asked
         with use_stream(stream):
             return bool(_is_capturing())
 

@@ -59,18 +59,26 @@ def test_every_way_to_stage_is_refused_on_a_capturing_stream_and_changes_nothing
     assert gpu.errors == []
 
 
-def test_a_stage_on_another_stream_works_while_one_stream_captures() -> None:
-    """Catches a guard that refuses every stage during any capture, or asks the wrong stream."""
+@pytest.mark.parametrize(
+    "captures", ["current stream, stage on another", "forked stream, not current"], ids=["current", "forked"]
+)
+def test_a_stage_is_refused_when_the_capture_runs_on_a_stream_it_would_touch(captures: str) -> None:
+    """Catches a guard that asks only of the stage's stream: inside a capture body the fence
+    query alone breaks the capture; and a stage on a stream forked into a capture is baked in."""
     gpu = LaggingGpu(max_lag=4, seed=2)
     pool = _pool(gpu)
     capture, side = gpu.new_stream("capture"), gpu.new_stream("side")
     gpu.set_current(capture)
-    capture.capturing = True
-    with pool.stage(stream=side) as st:
-        view = st.put([5, 6, 7], torch.int64)
-    gpu.drain()
-    assert view.tolist() == [5, 6, 7]
-    assert gpu.errors == []
+    with pool.stage(stream=side) as st:  # a fence on record for the slot the refused stage would query
+        st.put([1], torch.int64)
+    if captures.startswith("current"):
+        capture.capturing = True
+    else:
+        side.capturing = True  # forked into a capture running elsewhere; ``capture`` is current and idle
+    claims = pool.claims
+    with pytest.raises(PoolStateError, match="capturing a CUDA graph"):
+        pool.stage(stream=side)
+    assert (pool.claims, gpu.errors) == (claims, [])
 
 
 class _Unguarded(LaggingGpu):
@@ -80,13 +88,18 @@ class _Unguarded(LaggingGpu):
         return False
 
 
-def test_control_without_the_guard_the_work_lands_in_the_capture() -> None:
-    """Shows the simulator catches a missing guard: the stage's copy and fence go to the capturing stream."""
+@pytest.mark.parametrize("stage_on", ["capture", "side"])
+def test_control_without_the_guard_the_simulator_sees_the_capture_broken(stage_on: str) -> None:
+    """Shows the simulator catches a missing guard: the stage's copy and fence go to the
+    capturing stream, or its fence queries run while the capture does."""
     gpu = _Unguarded(max_lag=4, seed=3)
-    pool = _pool(gpu)
-    capture = gpu.new_stream("capture")
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=1024), transport=gpu)
+    capture, side = gpu.new_stream("capture"), gpu.new_stream("side")
     gpu.set_current(capture)
+    for _ in range(2):  # every slot fenced once, so the next claims query a fence
+        with pool.stage(stream=side) as st:
+            st.put([1], torch.int64)
     capture.capturing = True
-    with pool.stage() as st:
+    with pool.stage(stream=capture if stage_on == "capture" else side) as st:
         st.put(np.arange(4), torch.int64)
     assert any("captures a graph" in e for e in gpu.errors)

@@ -101,11 +101,12 @@ def test_none_is_the_host_path_and_touches_nothing(fake: FakeCuda) -> None:
 @pytest.mark.parametrize("current", range(3))
 @pytest.mark.parametrize("is_current", [True, False], ids=["its device's current", "passed"])
 @pytest.mark.parametrize("capturing", [True, False])
-def test_capturing_asks_of_the_stage_stream_on_the_pools_device_and_restores_everything(
+def test_capturing_asks_of_the_stage_stream_and_the_pool_devices_current_and_restores_everything(
     fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, current: int, is_current: bool, capturing: bool
 ) -> None:
-    """Catches a capture check that asks of the current device's stream (another device current) or
-    of the current stream instead of the stage's, or that leaves another stream or device current."""
+    """Catches a capture check that asks only of the current device's stream (another device
+    current), skips the stage's own stream or the pool device's current one, or leaves another
+    stream or device current."""
     import torch
 
     captures = {150} if capturing else set()
@@ -117,5 +118,19 @@ def test_capturing_asks_of_the_stage_stream_on_the_pools_device_and_restores_eve
     before = fake.state()
     cuda = transport.CudaTransport(torch.device("cuda", 1))
     assert cuda.capturing(stream(150, 1)) is capturing
-    assert cuda.capturing(stream(160, 1)) is False  # another stream of the device: not capturing
+    # Another stream of the device: taken by the capture only when the capture runs on the
+    # pool device's current stream (a torch.cuda.graph body, where even a fence query breaks it).
+    assert cuda.capturing(stream(160, 1)) is (capturing and is_current)
+    assert fake.state() == before
+
+
+def test_capturing_asks_of_the_current_devices_stream_too(fake: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches a capture check blind to a capture on the current device (the pool on another one):
+    in torch's global capture mode the pool's own fence queries would break that capture."""
+    import torch
+
+    monkeypatch.setattr(transport, "_is_capturing", lambda: fake.current[fake.device] == 0)
+    fake.device = 0  # device 0's current stream (id 0) captures; the pool is on device 1
+    before = fake.state()
+    assert transport.CudaTransport(torch.device("cuda", 1)).capturing(stream(100, 1)) is True
     assert fake.state() == before
