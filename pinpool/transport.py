@@ -309,14 +309,17 @@ class CudaTransport:
         stream forked into a capture). torch answers only for the current device's current
         stream, so the others are made current for the question and everything restored.
         Common case (``stream`` is the pool device's current stream, that device current):
-        three C calls. A capture this thread cannot see from these (another thread's, or
-        one on a stream that is none of them) is not detected.
+        two C calls. A capture this thread cannot see from these (another thread's, or one
+        on a stream that is none of them) is not detected.
         """
-        if _is_capturing is None or _get_device is None or _set_device is None:
+        if _is_capturing is None or _set_device is None:
             return False
         if _is_capturing():
             return True
-        device = _get_device()
+        # -1: the current device's current stream, with that device's index (one call for both).
+        current_id, device, _ = _current_stream_of(-1)
+        if device == self.index and current_id == stream.stream_id:
+            return False  # ``stream`` is the stream just asked about
         if device != self.index:
             _set_device(self.index)
             try:

@@ -31,6 +31,8 @@ class FakeCuda:
         self.device = index
 
     def current_stream_of(self, index: int) -> tuple[int, int, int]:
+        if index == -1:  # torch: the current device's current stream
+            index = self.device
         return self.current[index], index, 1
 
     def set_stream(self, *, stream_id: int, device_index: int, device_type: int) -> None:
