@@ -58,11 +58,12 @@ def _dead_ref() -> torch.Tensor | None:
 
 
 _OwnedRange = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
-#: Why a stage or read-back is refused on a stream that is capturing a CUDA graph.
+#: Why a stage or read-back is refused while a CUDA graph capture would take it.
 CAPTURE_REFUSAL = (
-    "'stream' is capturing a CUDA graph: a stage's copy and fence (or a zero-copy stage's "
-    "reads) would be baked into the graph at this slot's address, and every replay would "
-    "read or write the slot after the ring has reused it; stage before the capture or "
+    "a stream this stage would touch is capturing a CUDA graph (its 'stream', or the current "
+    "stream): the stage's copy and fence (or a zero-copy stage's reads) would be baked into the "
+    "graph at this slot's address, every replay reading or writing the slot after the ring has "
+    "reused it, and its fence query breaks a default-mode capture; stage before the capture or "
     "between replays, and give the graph StaticInputs views (fixed addresses)"
 )
 _POISON_BYTE = 0xFF  # NaN in every float dtype, -1 in every signed int dtype
