@@ -127,8 +127,8 @@ class Engine:
 
     def gpu_wait_seconds(self) -> float:
         """Host seconds spent waiting for the GPU inside staging (ring stalls, blocked reads)."""
-        # Blocked token reads are timed once, by the reader, in every mode: the pool's own
-        # readback_wait_seconds would count the same wait twice.
+        # Blocked token reads are timed once: by the reader, or in the pool modes by the pool
+        # (the reader's figure includes the pool's there).
         return self.pool.stall_seconds + self.uploader.wait_seconds + self.reader.wait_seconds
 
     @property
@@ -296,8 +296,8 @@ class Engine:
             ok = True
             return pending
         finally:
-            if exchange is not None:
-                exchange.close(ok=ok)  # a no-op after the close above
+            if not ok and exchange is not None:
+                exchange.close(ok=False)  # aborted: a flushed copy still gets its fence
 
     def _halves(self, both: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows and positions: the two halves of the step's one put (one put a step, not two).

@@ -24,11 +24,21 @@ class TokenReader:
         self.mode = mode
         self._pooled = mode in POOL_MODES
         self.pool = pool
-        self.waits = 0  # host waits that actually blocked (plus every sync-mode read)
-        self.wait_seconds = 0.0
+        self._waits = 0  # host waits that actually blocked (plus every sync-mode read)
+        self._wait_seconds = 0.0
         self._cuda = pool.device.type == "cuda"
         self._persistent: list[torch.Tensor] = []
         self._flip = 0
+
+    @property
+    def waits(self) -> int:
+        """Reads that blocked on the GPU (plus every sync-mode read); in the pool modes, the pool counts them."""
+        return self._waits + (self.pool.stats().readback_waits if self._pooled else 0)
+
+    @property
+    def wait_seconds(self) -> float:
+        """Host seconds those reads waited."""
+        return self._wait_seconds + (self.pool.readback_wait_seconds if self._pooled else 0.0)
 
     def start(self, tokens: torch.Tensor) -> Pending:
         """Queue the copy of ``tokens`` (int64 [n], device) now; the returned call reads it."""
@@ -42,10 +52,10 @@ class TokenReader:
         if self.mode == "sync":
 
             def read_sync() -> list[int]:
-                self.waits += 1
+                self._waits += 1
                 start = time.perf_counter()
                 values: list[int] = tokens.tolist()  # sync-ok: the naive pattern under comparison
-                self.wait_seconds += time.perf_counter() - start
+                self._wait_seconds += time.perf_counter() - start
                 return values
 
             return read_sync
@@ -63,25 +73,32 @@ class TokenReader:
 
         def read_event() -> list[int]:
             if not event.query():
-                self.waits += 1
+                self._waits += 1
                 start = time.perf_counter()
                 event.synchronize()  # sync-ok: the read of step N's tokens, normally already landed
-                self.wait_seconds += time.perf_counter() - start
+                self._wait_seconds += time.perf_counter() - start
             return host.tolist()
 
         return read_event
 
     def wrap(self, handle: Readback) -> Pending:
-        """The read of a pool read-back already queued (``pool.readback`` or ``Stage.readback``)."""
+        """The read of a pool read-back already queued (``pool.readback``, ``Stage.readback``, a landing).
+
+        The pool modes read with the handle's own ``tolist``: the pool counts and times a
+        read that blocks (``readback_wait_seconds``), so nothing wraps it. A reader of
+        another mode handed a pool handle (the graph loop's) counts its waits itself.
+        """
+        if self._pooled:
+            return handle.tolist
 
         def read_pool() -> list[int]:
             if handle.ready():
                 values: list[int] = handle.tolist()
                 return values
-            self.waits += 1
+            self._waits += 1
             start = time.perf_counter()
             values = handle.tolist()
-            self.wait_seconds += time.perf_counter() - start
+            self._wait_seconds += time.perf_counter() - start
             return values
 
         return read_pool

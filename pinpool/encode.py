@@ -107,37 +107,34 @@ def write(dst: np.ndarray[Any, Any] | torch.Tensor, src: Any, target: torch.dtyp
     write_list(dst, src, target, name)
 
 
-# Lists of these dtypes go through ``struct`` first (``pack_list``).
+# Lists of these dtypes go through ``struct`` first (``Stage.put``'s hot path).
 _STRUCT_CODE = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d"}
-_structs: dict[tuple[str, int], struct.Struct] = {}
+#: (dtype, numel) -> the ``struct.Struct`` that packs a list of that length, built on first use.
+#: Emptied past 256 entries (the ring's one cache policy, ``pinpool.slots.BoundedCache``).
+PACKERS: dict[tuple[torch.dtype, int], struct.Struct] = {}
 
 
-def pack_list(buffer: memoryview, offset: int, values: list[Any], target: torch.dtype) -> bool:
-    """Write a list of numbers as ``target`` at ``buffer[offset:]``; False when struct will not take it.
+def packer_for(dtype: torch.dtype, numel: int) -> struct.Struct | None:
+    """The packer of a ``numel``-long list of ``dtype`` (cached in ``PACKERS``); None for a dtype struct lacks.
 
+    ``packer.pack_into(buffer, offset, *values)`` writes the list at ``buffer[offset:]``.
     ``struct`` checks each element itself: ints (and ``__index__`` types) in range for
     int32 / int64, so exactness needs no second pass; for floats, numbers rounded to the
     nearest float32 / float64, and an ``OverflowError`` for a finite value too large for
     float32 (where numpy would write inf and need a second pass to notice). Inside a
     decode loop it costs about half of numpy's list parsing plus the witness checks of
-    ``write_list``. On False, possibly after writing part of the range (still beyond the
-    stage's committed bytes), the caller goes through ``write_list``, which raises the
-    typed error or writes what struct would not take.
+    ``write_list``. When it raises (``struct.error``, ``TypeError``, ``OverflowError``),
+    possibly after writing part of the range (still beyond the stage's committed bytes),
+    the caller goes through ``write_list``, which raises the typed error or writes what
+    struct would not take.
     """
-    code = _STRUCT_CODE.get(target)
+    code = _STRUCT_CODE.get(dtype)
     if code is None:
-        return False
-    key = (code, len(values))
-    packer = _structs.get(key)
-    if packer is None:
-        if len(_structs) >= 256:
-            _structs.clear()
-        packer = _structs[key] = struct.Struct(f"={key[1]}{code}")
-    try:
-        packer.pack_into(buffer, offset, *values)
-    except (struct.error, TypeError, OverflowError):
-        return False
-    return True
+        return None
+    if len(PACKERS) >= 256:
+        PACKERS.clear()
+    packer = PACKERS[(dtype, numel)] = struct.Struct(f"={numel}{code}")
+    return packer
 
 
 def write_list(dst: np.ndarray[Any, Any], src: Any, target: torch.dtype, name: str) -> None:

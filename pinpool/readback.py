@@ -59,12 +59,15 @@ class Readback:
         self._landed()
         return self._host.tolist()  # sync-ok: a numpy view of pinned host memory whose fence has passed (checked above)
 
+    def _stale(self) -> StaleLeaseError:
+        return StaleLeaseError(
+            f"{type(self).__name__.lower()} of generation {self.generation} (slot {self.slot}) was read after the "
+            "slot was recycled; read it within num_slots - 1 further claims of the ring"
+        )
+
     def _landed(self) -> None:
         if self._pool.slot_generation(self.slot) != self.generation:
-            raise StaleLeaseError(
-                f"readback of generation {self.generation} (slot {self.slot}) was read after the slot was recycled; "
-                "read it within num_slots - 1 further claims of the ring"
-            )
+            raise self._stale()
         if not self._landed_seen:
             if not self._fence.query():
                 self._pool.wait_for_readback(self._fence)
@@ -84,17 +87,40 @@ class Landing(Readback):
     __slots__ = ("armed",)
 
     def __init__(self, pool: PinnedRingBuffer, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any]):
-        super().__init__(pool, slot, generation, fence, host)
+        # ``Readback.__init__``'s fields, set here without the extra call: a decode step
+        # makes one of these right after its launches, when every call runs cold.
+        self._pool = pool
+        self.slot = slot
+        self.generation = generation
+        self._fence = fence
+        self._host = host
+        self._landed_seen = False
         #: Set by the stage's successful close, once the fence follows the writing kernel.
         self.armed = False
 
     def ready(self) -> bool:
-        return self.armed and super().ready()
+        if not self.armed:
+            return False
+        if not self._landed_seen:
+            self._landed_seen = self._fence.query()
+        return self._landed_seen
+
+    def tolist(self) -> Any:
+        """The landed values as Python numbers (waits if the writer has not run yet)."""
+        self._landed()
+        return self._host.tolist()  # sync-ok: a numpy view of pinned host memory whose fence has passed (checked above)
 
     def _landed(self) -> None:
+        # ``Readback._landed`` with the armed check first, in one call (a decode loop reads
+        # one of these a step).
         if not self.armed:
             raise PoolStateError(
                 f"landing of stage {self.generation} (slot {self.slot}) was read before its stage closed, or its "
                 "stage was aborted: the slot's fence follows the writing kernel only after a successful close"
             )
-        super()._landed()
+        if self._pool.slot_generation(self.slot) != self.generation:
+            raise self._stale()
+        if not self._landed_seen:
+            if not self._fence.query():
+                self._pool.wait_for_readback(self._fence)
+            self._landed_seen = True

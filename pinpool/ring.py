@@ -94,6 +94,11 @@ class PinnedRingBuffer:
         #: Whether a graph capture would take a stage on a stream (a caller's own transport may
         #: not say: then never).
         self._capturing: Callable[[Stream], bool] = getattr(self._transport, "capturing", _never_capturing)
+        #: The stage's stream and the capture question in one call where the transport has
+        #: one (``resolve_for_stage``: two C calls on CUDA in the common case), else apart.
+        self._resolve_for_stage: Callable[[Stream | None], tuple[Stream, bool]] = getattr(
+            self._transport, "resolve_for_stage", self._resolve_then_ask
+        )
         if self._transport.device != self.settings.device:
             raise DeviceMismatchError(
                 f"'transport' must serve the settings' device {self.settings.device} (got {self._transport.device})"
@@ -114,6 +119,7 @@ class PinnedRingBuffer:
                 self.device_mirror[i * slot_bytes : (i + 1) * slot_bytes],
                 host_bytes,
                 i * slot_bytes,
+                self._alignment,
             )
             for i in range(num_slots)
         ]
@@ -150,7 +156,11 @@ class PinnedRingBuffer:
             if alias is not None and self.platform.zero_copy_ok:
                 self._zero_copy_layouts = [
                     SlotLayout(
-                        layout.host_raw, alias[i * slot_bytes : (i + 1) * slot_bytes], host_bytes, i * slot_bytes
+                        layout.host_raw,
+                        alias[i * slot_bytes : (i + 1) * slot_bytes],
+                        host_bytes,
+                        i * slot_bytes,
+                        self._alignment,
                     )
                     for i, layout in enumerate(self._layouts)
                 ]
@@ -232,8 +242,8 @@ class PinnedRingBuffer:
         """
         if self._open is not None or self._closed or self._debug:
             self._check_usable()  # raises, or (debug) checks the calling thread
-        stream = self._transport.resolve_stream(stream)
-        if self._capturing(stream):
+        stream, capturing = self._resolve_for_stage(stream)
+        if capturing:
             raise PoolStateError(CAPTURE_REFUSAL)
         if zero_copy:
             return self._zero_copy_stage(stream, owned_bytes, owned)
@@ -261,7 +271,8 @@ class PinnedRingBuffer:
                 self._reused_owned = weakref.ref(owned)  # kept alive by the slice cache only
         slot = self._claim(stream, writes_mirror=owned_device is None)
         st = Stage(self, self._layouts[slot], slot, self._generation, stream, owned_device)
-        st.owned_reused = reused
+        if reused:
+            st.owned_reused = True
         self._open = st
         return st
 
@@ -273,8 +284,8 @@ class PinnedRingBuffer:
         stay readable until ``num_slots - 1`` further claims.
         """
         self._check_usable()
-        stream = self._transport.resolve_stream(stream)
-        if self._capturing(stream):
+        stream, capturing = self._resolve_for_stage(stream)
+        if capturing:
             raise PoolStateError(CAPTURE_REFUSAL)
         # Checked before claiming (the claim takes ``_next_slot``): a refused call leaves the
         # ring as it was. The views are only addresses: taking them before the slot's fence
@@ -303,6 +314,12 @@ class PinnedRingBuffer:
     def stall_seconds(self) -> float:
         """Host seconds spent waiting on slot fences so far (``stats().stall_seconds``, without building a snapshot)."""
         return self._counters.stall_seconds
+
+    @property
+    def readback_wait_seconds(self) -> float:
+        """Host seconds reads of read-backs and landings spent waiting for their copy or writer so far
+        (``stats().readback_wait_seconds``, without building a snapshot)."""
+        return self._counters.readback_wait_seconds
 
     def stats(self) -> PoolStats:
         return PoolStats.of(self._counters, self.platform)
@@ -435,7 +452,10 @@ class PinnedRingBuffer:
             # Kernels store into the slot (``Stage.land``), on the stage's stream or a
             # registered consumer: the fence follows them all, as a zero-copy stage's does,
             # even after a read-back's fence (the writers may have been launched after it).
-            self._fence_readers(st)
+            if self._consumers:
+                self._fence_readers(st)
+            else:  # the stage's stream alone, inline: every landing step closes here
+                self._fences[slot].record(st.stream)
             if self._debug and ok:
                 covered = [consumer for consumer, _ in self._consumers]
                 refuse_unregistered_reader(self._transport, st, [*covered, *st.guarded_by])
@@ -556,9 +576,20 @@ class PinnedRingBuffer:
         return device.view(dtype)
 
     # -- internals ---------------------------------------------------------------------
+    def _resolve_then_ask(self, stream: Stream | None) -> tuple[Stream, bool]:
+        """``resolve_for_stage`` for a transport without it: the two questions apart."""
+        resolved = self._transport.resolve_stream(stream)
+        return resolved, self._capturing(resolved)
+
     def _claim(self, stream: Stream, *, writes_mirror: bool) -> int:
         """The next slot, safe to write on the host, guarded on the device for ``stream``, under a new generation."""
-        slot = self._reclaim_host()
+        # Rules 1 and 5 as in ``_reclaim_host``, inline: this runs every stage.
+        slot = self._next_slot
+        fence = self._fences[slot]
+        if not fence.query():
+            self._stall(slot, fence)
+        if self._retained[slot]:
+            self._retained[slot].clear()
         last = self._last_stream[slot]
         if last is not stream and not self._transport.same_stream(last, stream):
             # Rule 2, change of stream: work queued on the slot's previous user's stream

@@ -43,15 +43,30 @@ class SlotLayout:
     ``host_base`` this slot's first byte in it, for ``struct`` packing of int lists.
     """
 
-    __slots__ = ("device", "device_raw", "device_views", "host", "host_base", "host_bytes", "host_raw", "landings")
+    __slots__ = (
+        "alignment",
+        "device",
+        "device_raw",
+        "device_views",
+        "host",
+        "host_base",
+        "host_bytes",
+        "host_raw",
+        "landings",
+        "nbytes",
+    )
 
     def __init__(
-        self, host_raw: torch.Tensor, device_raw: torch.Tensor, host_bytes: memoryview, host_base: int
+        self, host_raw: torch.Tensor, device_raw: torch.Tensor, host_bytes: memoryview, host_base: int, alignment: int
     ) -> None:
         self.host_raw = host_raw
         self.device_raw = device_raw
         self.host_bytes = host_bytes
         self.host_base = host_base
+        #: The slot's size and the alignment of each claim in it (the pool's settings), kept
+        #: here so that a stage opening on this layout reads them without a call.
+        self.nbytes: int = host_raw.numel()
+        self.alignment = alignment
         raw_np = host_raw.numpy()
         self.host: dict[torch.dtype, Any] = {d: raw_np.view(n) for d, n in NUMPY_DTYPE.items()}
         self.host[torch.bfloat16] = host_raw.view(torch.bfloat16)

@@ -12,18 +12,19 @@ been recycled since.
 from __future__ import annotations
 
 import math
+import struct
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from pinpool.encode import NUMPY_DTYPE, as_source, check_dtype, pack_list, write, write_list
+from pinpool.encode import NUMPY_DTYPE, PACKERS, as_source, check_dtype, packer_for, write, write_list
 from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
 from pinpool.readback import Landing
 from pinpool.settings import OverflowPolicy
 from pinpool.slots import BoundedCache, SlotLayout
-from pinpool.transport import Stream
+from pinpool.transport import Fence, Stream
 
 if TYPE_CHECKING:
     from pinpool.readback import Readback
@@ -90,8 +91,6 @@ class Stage:
         "_align",
         "_capacity",
         "_cursor",
-        "_end",
-        "_landing",
         "_landings",
         "_layout",
         "_open",
@@ -101,12 +100,14 @@ class Stage:
         "flushed",
         "generation",
         "guarded_by",
+        "landings",
         "owned_device",
         "owned_reused",
         "read_back",
         "slot",
         "spilled",
         "stream",
+        "used_bytes",
     )
 
     def __init__(
@@ -128,17 +129,20 @@ class Stage:
         self.owned_device = owned_device
         #: True when the caller passes this same ``owned=`` buffer stage after stage (``reuse_owned=True``).
         self.owned_reused = False
-        slot_bytes = pool.slot_bytes
+        slot_bytes = layout.nbytes
         self._capacity = slot_bytes if owned_device is None else min(slot_bytes, owned_device.numel())
-        self._align = pool.alignment
+        self._align = layout.alignment
         self._cursor = 0
-        self._end = 0
+        #: Bytes of the slot the stage's copy covers so far (puts, reservations, address columns).
+        self.used_bytes = 0
         # Landings (``land``) are claimed from the slot's end down, outside the
         # copied bytes; puts, reservations and read-backs stop where they start.
         self._tail = slot_bytes
         #: Landing handles of this stage (``land``), made readable by a successful close.
         self._landings: list[Landing] = []
-        self._landing = False  # landing bytes claimed: the fence must follow the writers
+        #: True once landing bytes are claimed (``land``): kernels store into this stage's slot,
+        #: so its fence follows them (and every registered consumer).
+        self.landings = False
         self._open = True
         self.flushed = False
         self.spilled = False
@@ -172,12 +176,8 @@ class Stage:
                 raise PoolStateError(LAND_WITHOUT_FLUSH)
             self._pool.finish_stage(self, ok)
             if ok and flushed and self._landings:
-                self.arm_landings()
-
-    @property
-    def landings(self) -> bool:
-        """True when kernels store into this stage's slot (``land``): its fence then follows the consumers."""
-        return self._landing
+                for handle in self._landings:  # arm_landings, inline: it runs every decode step
+                    handle.armed = True
 
     def arm_landings(self) -> None:
         """After a successful close: the slot's fence follows the writing kernels, so the handles may read."""
@@ -185,10 +185,6 @@ class Stage:
             handle.armed = True
 
     # -- staging -----------------------------------------------------------------------
-    @property
-    def used_bytes(self) -> int:
-        return self._end
-
     @property
     def pool(self) -> PinnedRingBuffer:
         """The pool this stage belongs to (a library building into a caller's stage checks it)."""
@@ -212,19 +208,42 @@ class Stage:
         """
         if not self._open or self.flushed:
             self._check_open()
+        if type(values) is list and type(dtype) is torch.dtype:
+            # Hot path (a scheduler's per-request list): claim and write inline, in as few
+            # calls as possible (right after a step's launches each call runs cold).
+            numel = len(values)
+            packer = PACKERS.get((dtype, numel))
+            if packer is None:
+                packer = packer_for(dtype, numel)  # None for a dtype struct does not pack
+            start = self._cursor
+            if packer is not None and start + packer.size <= self._capacity and start + packer.size <= self._tail:
+                layout = self._layout
+                try:
+                    # struct checks each element: ints in range, floats that fit (``packer_for``).
+                    packer.pack_into(layout.host_bytes, layout.host_base + start, *values)
+                except (struct.error, TypeError, OverflowError):
+                    pass  # not exact as struct packs it, or nested: the paths below convert or raise typed
+                else:
+                    first = start // _NUMPY_ITEMSIZE[dtype]
+                    device = layout.device_views.get((dtype, first, numel)) if self.owned_device is None else None
+                    if device is None:
+                        device = self._device_view(dtype, first, numel)
+                    end = self.used_bytes = start + packer.size
+                    align = self._align
+                    self._cursor = (end + align - 1) // align * align
+                    return device
         if type(values) is list and dtype in _NUMPY_ITEMSIZE and not (values and type(values[0]) in _NESTED):
-            # Hot path (a scheduler's per-request list): claim and write inline.
+            # A flat list struct would not pack (a dtype it has no code for, a value it
+            # refused): numpy writes it, or raises the typed error.
             numel = len(values)
             itemsize = _NUMPY_ITEMSIZE[dtype]
             start = self._cursor
             end = start + numel * itemsize
             if end <= self._capacity and end <= self._tail:
                 first = start // itemsize
-                layout = self._layout
-                if not pack_list(layout.host_bytes, layout.host_base + start, values, dtype):
-                    write_list(layout.host[dtype][first : first + numel], values, dtype, name)
+                write_list(self._layout.host[dtype][first : first + numel], values, dtype, name)
                 device = self._device_view(dtype, first, numel)
-                self._end = end
+                self.used_bytes = end
                 align = self._align
                 self._cursor = (end + align - 1) // align * align
                 return device
@@ -247,7 +266,7 @@ class Stage:
                 base = layout.host_base + start
                 layout.host_bytes[base : base + numel * itemsize] = values.view(np.uint8)  # type: ignore[call-overload]  # numpy arrays are buffers
                 device = self._device_view(dtype, start // itemsize, numel)
-                self._end = end
+                self.used_bytes = end
                 align = self._align
                 self._cursor = (end + align - 1) // align * align
                 return device
@@ -305,7 +324,7 @@ class Stage:
         start = self._cursor
         if start + nbytes > min(self._capacity, self._tail):
             raise CapacityError(self._capacity_message(nbytes, name))
-        end = self._end = start + nbytes
+        end = self.used_bytes = start + nbytes
         align = self._align
         self._cursor = (end + align - 1) // align * align
         return start
@@ -341,7 +360,7 @@ class Stage:
                 f"of {self._pool.settings.slot_bytes}; raise PoolSettings.slot_bytes"
             )
         self._tail = start
-        self._landing = True
+        self.landings = True
         return start
 
     def write_host(self, offset: int, data: bytes | np.ndarray[Any, Any]) -> None:
@@ -409,13 +428,13 @@ class Stage:
                 return self._land_spilled(numel, dtype, name)
             if self.owned_device is None:  # an owned buffer may be another one next time
                 layout.landings.put(key, plan)
-        tail, end, offset, column, addresses, values = plan
+        tail, end, offset, column, addresses, values, fence = plan
         base = layout.host_base + offset
         layout.host_bytes[base : base + len(column)] = column
-        self._tail, self._landing, self._end = tail, True, end
+        self._tail, self.landings, self.used_bytes = tail, True, end
         align = self._align
         self._cursor = (end + align - 1) // align * align
-        handle = self.landing_handle(values)
+        handle = Landing(self._pool, self.slot, self.generation, fence, values)
         self._landings.append(handle)
         return addresses, handle
 
@@ -427,12 +446,12 @@ class Stage:
     def _land_spilled(self, numel: int, dtype: torch.dtype, name: str) -> tuple[torch.Tensor, Landing]:
         """``land`` when the address column does not fit and the pool spills (``overflow='spill'``):
         the landing at the slot's end as always, its addresses through a spilled put (never cached)."""
-        tail, landing = self._tail, self._landing
+        tail, landing = self._tail, self.landings
         address, raw = self.reserve_landing(numel * LANDING_ITEMSIZE[dtype], name=name)
         try:
             addresses = self.put(landing_offsets(numel, dtype) + address, torch.int64, name=name)
         except BaseException:
-            self._tail, self._landing = tail, landing  # nothing taken
+            self._tail, self.landings = tail, landing  # nothing taken
             raise
         handle = self.landing_handle(raw.view(NUMPY_DTYPE[dtype]))
         self._landings.append(handle)
@@ -440,21 +459,24 @@ class Stage:
 
     def _plan_landing(
         self, numel: int, dtype: torch.dtype, name: str
-    ) -> tuple[int, int, int, bytes, torch.Tensor, np.ndarray[Any, Any]]:
+    ) -> tuple[int, int, int, bytes, torch.Tensor, np.ndarray[Any, Any], Fence]:
         """Where a landing of ``numel`` ``dtype`` goes from the stage's current cursor and tail, checked:
         (new tail, new end of the copied bytes, the address column's byte offset in the slot, its
-        bytes, its device view, the landing's typed host view). Leaves the stage as it was."""
+        bytes, its device view, the landing's typed host view, the slot's fence). Leaves the stage
+        as it was."""
         itemsize = LANDING_ITEMSIZE[dtype]
-        tail, landing, cursor, end = self._tail, self._landing, self._cursor, self._end
+        tail, landing, cursor, end = self._tail, self.landings, self._cursor, self.used_bytes
         try:
             address, raw = self.reserve_landing(numel * itemsize, name=name)
             host, addresses = self.reserve(numel, torch.int64, name=name)  # never spills: raises when it does not fit
             offset = host.__array_interface__["data"][0] - self._layout.host[torch.uint8].__array_interface__["data"][0]
             column = landing_offsets(numel, dtype) + address
-            return self._tail, self._end, offset, column.tobytes(), addresses, raw.view(NUMPY_DTYPE[dtype])
+            values = raw.view(NUMPY_DTYPE[dtype])
+            fence = self._pool.slot_fence(self.slot)  # one object per slot, for the pool's life
+            return self._tail, self.used_bytes, offset, column.tobytes(), addresses, values, fence
         finally:
             # Planned only: ``land`` applies the plan.
-            self._tail, self._landing, self._cursor, self._end = tail, landing, cursor, end
+            self._tail, self.landings, self._cursor, self.used_bytes = tail, landing, cursor, end
 
     def retain(self, *objs: Any) -> None:
         """Keep ``objs`` alive until this slot's fence has passed (rule 5).
@@ -559,9 +581,9 @@ class Stage:
         return owned[:usable].view(dtype)[first : first + numel]
 
     def _commit_claim(self, numel: int, dtype: torch.dtype) -> None:
-        self._end = self._cursor + numel * _ITEMSIZE[dtype]
+        self.used_bytes = self._cursor + numel * _ITEMSIZE[dtype]
         align = self._align
-        self._cursor = (self._end + align - 1) // align * align
+        self._cursor = (self.used_bytes + align - 1) // align * align
 
     def _capacity_message(self, nbytes: int, name: str) -> str:
         limit = "owned buffer" if self.owned and self._capacity < self._pool.settings.slot_bytes else "slot"

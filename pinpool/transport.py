@@ -66,6 +66,13 @@ class Transport(Protocol):
         """
         ...
 
+    def resolve_for_stage(self, stream: Stream | None) -> tuple[Stream, bool]:
+        """``(resolve_stream(stream), capturing(that stream))`` in as few calls as the path allows.
+
+        Optional, like ``capturing``: without it the ring asks the two questions apart.
+        """
+        ...
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
         """One copy of ``src`` into ``dst`` on ``stream``: pinned host to device, or back."""
         ...
@@ -129,6 +136,9 @@ class HostTransport:
 
     def capturing(self, stream: Stream) -> bool:
         return False
+
+    def resolve_for_stage(self, stream: Stream | None) -> tuple[Stream, bool]:
+        return self.resolve_stream(stream), False
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
         dst.copy_(src)
@@ -331,6 +341,27 @@ class CudaTransport:
             return False  # ``stream`` is the pool device's current stream: already asked
         with use_stream(stream):
             return bool(_is_capturing())
+
+    def resolve_for_stage(self, stream: Stream | None) -> tuple[Stream, bool]:
+        """The stage's stream and whether a graph capture would take the stage: two C calls in
+        the common case (no stream passed, the pool's device current).
+
+        There the current device's current stream is the pool device's current stream and the
+        stage's stream all at once, so torch's one capture query covers the three streams that
+        ``capturing`` asks about. Every other case asks ``resolve_stream`` and ``capturing``.
+        """
+        if stream is None and _is_capturing is not None:
+            # -1: the current device's current stream, with that device's index (one call for both).
+            stream_id, device, device_type = _current_stream_of(-1)
+            if device == self.index:
+                cached = self._current
+                if cached is None or cached.stream_id != stream_id:
+                    cached = self._current = torch.cuda.Stream(  # type: ignore[no-untyped-call]
+                        stream_id=stream_id, device_index=device, device_type=device_type
+                    )
+                return cached, bool(_is_capturing())
+        resolved = self.resolve_stream(stream)
+        return resolved, self.capturing(resolved)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
         """One ``cudaMemcpyAsync`` of a contiguous range, on ``stream`` (rule 3).

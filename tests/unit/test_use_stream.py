@@ -136,3 +136,79 @@ def test_capturing_asks_of_the_current_devices_stream_too(fake: FakeCuda, monkey
     before = fake.state()
     assert transport.CudaTransport(torch.device("cuda", 1)).capturing(stream(100, 1)) is True
     assert fake.state() == before
+
+
+class _FakeStream:
+    """``torch.cuda.Stream(stream_id=, device_index=, device_type=)`` without a GPU."""
+
+    def __init__(self, stream_id: int, device_index: int, device_type: int) -> None:
+        self.stream_id, self.device_index, self.device_type = stream_id, device_index, device_type
+
+
+@pytest.mark.parametrize("capturing", [True, False])
+def test_resolve_for_stage_common_case_is_two_calls_on_the_pool_devices_current_stream(
+    fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, capturing: bool
+) -> None:
+    """Catches the one-question shortcut answering for a stream other than the stage's, or
+    costing more than the two C calls it exists to save."""
+    import torch
+
+    calls: list[str] = []
+
+    def current_stream_of(index: int) -> tuple[int, int, int]:
+        calls.append(f"current({index})")
+        return fake.current_stream_of(index)
+
+    def is_capturing() -> bool:
+        calls.append("is_capturing")
+        return capturing and fake.current[fake.device] == 150
+
+    monkeypatch.setattr(transport, "_current_stream_of", current_stream_of)
+    monkeypatch.setattr(transport, "_is_capturing", is_capturing)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    fake.device, fake.current[1] = 1, 150
+    cuda = transport.CudaTransport(torch.device("cuda", 1))
+    stream, answer = cuda.resolve_for_stage(None)
+    assert (stream.stream_id, stream.device_index, answer) == (150, 1, capturing)
+    assert calls == ["current(-1)", "is_capturing"]
+    assert cuda.resolve_for_stage(None)[0] is stream  # unchanged stream: the same object
+    assert cuda.resolve_stream(None) is stream  # and the one resolve_stream gives
+
+
+@pytest.mark.parametrize("captures_on", ["current device", "pool device", "none"])
+def test_resolve_for_stage_with_another_device_current_asks_every_stream(
+    fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, captures_on: str
+) -> None:
+    """Catches the shortcut taken with another device current: the stage would go to that
+    device's stream, or a capture on either device's current stream would go unseen."""
+    import torch
+
+    capture_id = {"current device": 7, "pool device": 150, "none": -1}[captures_on]
+    monkeypatch.setattr(transport, "_is_capturing", lambda: fake.current[fake.device] == capture_id)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    fake.device, fake.current[0], fake.current[1] = 0, 7, 150  # cuda:0 current, the pool on cuda:1
+    before = fake.state()
+    cuda = transport.CudaTransport(torch.device("cuda", 1))
+    stream, answer = cuda.resolve_for_stage(None)
+    assert (stream.stream_id, stream.device_index) == (150, 1)
+    assert answer is (captures_on != "none")
+    assert fake.state() == before
+
+
+def test_resolve_for_stage_asks_of_a_passed_stream_forked_into_a_capture(
+    fake: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches the shortcut applied to a passed stream: the current one idle, the passed one capturing."""
+    import torch
+
+    monkeypatch.setattr(transport, "_is_capturing", lambda: fake.current[fake.device] == 160)
+    fake.device, fake.current[1] = 1, 150
+    before = fake.state()
+    cuda = transport.CudaTransport(torch.device("cuda", 1))
+    side = SimpleNamespace(stream_id=160, device_index=1, device_type=1)
+    # ``resolve_stream`` checks that a passed stream is a torch.cuda.Stream, which a CPU build
+    # cannot construct: the check answers yes for this stand-in.
+    monkeypatch.setattr(transport, "isinstance", lambda obj, cls: True, raising=False)
+    resolved, answer = cuda.resolve_for_stage(side)
+    assert (resolved, answer) == (side, True)
+    assert fake.state() == before
