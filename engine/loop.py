@@ -265,15 +265,22 @@ class Engine:
         # kernel launch) still closes it, and a flushed copy still gets its fence.
         try:
             with self.staging("decode.upload"):
-                if self.pooled:
-                    # One slot for the step, both ways: the metadata up now, the tokens back
-                    # after the sampler, one fence (stored there by the sampler itself,
-                    # Stage.land, or else a Stage.readback copy). pool-zc: a zero-copy
-                    # stage, so flush() issues nothing and the kernels _launch_decode queues
-                    # (the req_to_token write, the forward, the sampler) read rows and
-                    # positions in the pinned slot; they are launched before the read-back
-                    # and the close, so the slot's fence, recorded at close, follows them.
-                    exchange = self.pool.stage(zero_copy=self.zero_copy)
+                if self.pooled and not self.zero_copy:
+                    # One slot for the step, both ways: the metadata up now (one copy, issued
+                    # here), the tokens back after the sampler, one fence (stored there by the
+                    # sampler itself, a landing, or else a Stage.readback copy). One call
+                    # opens it all (pool.exchange): each call here runs cold.
+                    exchange = self.pool.exchange(
+                        ((rows, torch.int64), (positions, torch.int64)), land=bs if self.land_tokens else None
+                    )
+                    rows_d, positions_d = exchange.views
+                    land_to, landing = exchange.land_to, exchange.landing
+                elif self.pooled:
+                    # pool-zc: a zero-copy stage, so flush() issues nothing and the kernels
+                    # _launch_decode queues (the req_to_token write, the forward, the sampler)
+                    # read rows and positions in the pinned slot; they are launched before the
+                    # read-back and the close, so the slot's fence, recorded at close, follows them.
+                    exchange = self.pool.stage(zero_copy=True)
                     rows_d, positions_d = self._halves(exchange.put(rows + positions, torch.int64), bs)
                     if self.land_tokens:
                         # Where the sampler stores each token in this slot: no read-back copy.
@@ -288,7 +295,7 @@ class Engine:
                     pending = self.reader.start(self.last_tokens)
                 elif landing is not None:
                     exchange.close()  # the fence, after the sampler that stored the tokens
-                    pending = self.reader.wrap(landing)
+                    pending = landing.tolist  # the pool counts and times a read that waits
                 else:
                     handle = exchange.readback(self.last_tokens)
                     exchange.close()

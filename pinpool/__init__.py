@@ -19,6 +19,7 @@ from pinpool.exceptions import (
     ThreadOwnershipError,
     UnguardedReaderError,
 )
+from pinpool.exchange import Exchange
 from pinpool.platform import PlatformReport
 from pinpool.readback import Readback
 from pinpool.ring import PinnedRingBuffer
@@ -33,6 +34,7 @@ from pinpool.zero_copy import ZeroCopyStage
 __all__ = [
     "CapacityError",
     "DeviceMismatchError",
+    "Exchange",
     "HostImage",
     "HostSyncError",
     "OverflowPolicy",

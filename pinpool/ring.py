@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -35,6 +35,7 @@ from pinpool.exceptions import (
     PoolStateError,
     ThreadOwnershipError,
 )
+from pinpool.exchange import Exchange, Field
 from pinpool.log import get_logger
 from pinpool.platform import PlatformReport
 from pinpool.readback import Readback
@@ -275,6 +276,34 @@ class PinnedRingBuffer:
             st.owned_reused = True
         self._open = st
         return st
+
+    def exchange(
+        self,
+        fields: Sequence[Field],
+        *,
+        land: int | None = None,
+        land_dtype: torch.dtype = torch.int64,
+        stream: Stream | None = None,
+    ) -> Exchange:
+        """A decode step's exchange in one call: ``stage()``, a ``put`` per field, ``land``, ``flush``.
+
+        ``fields``: ``(values, dtype)`` pairs, put in order (``ex.views`` holds their device
+        views). ``land``: have a kernel store that many ``land_dtype`` values straight into
+        the slot (``Stage.land``; ``ex.land_to`` are their addresses, ``ex.landing`` reads
+        them after the close). The copy is issued before it returns: launch the step's
+        kernels, then ``close()`` (or leave the ``with``). Same rules as ``stage()``; on any
+        error nothing is copied, the stage is aborted and the error raised.
+        """
+        if self._open is not None or self._closed or self._debug:
+            self._check_usable()  # raises, or (debug) checks the calling thread
+        stream, capturing = self._resolve_for_stage(stream)
+        if capturing:
+            raise PoolStateError(CAPTURE_REFUSAL)
+        slot = self._claim(stream, writes_mirror=True)
+        ex = Exchange(self, self._layouts[slot], slot, self._generation, stream, None)
+        self._open = ex
+        ex.fill(fields, land, land_dtype)
+        return ex
 
     def readback(self, src: torch.Tensor, *, stream: Stream | None = None) -> Readback:
         """Copy the device tensor ``src`` into the next slot's pinned region; read it later.

@@ -48,6 +48,7 @@ class SlotLayout:
         "device",
         "device_raw",
         "device_views",
+        "exchanges",
         "host",
         "host_base",
         "host_bytes",
@@ -75,6 +76,8 @@ class SlotLayout:
         self.device_views: BoundedCache[tuple[torch.dtype, int, int], torch.Tensor] = BoundedCache()
         #: ``Stage.land``'s plans for this slot, by (cursor, tail, capacity, numel, dtype).
         self.landings: BoundedCache[tuple[Any, ...], Any] = BoundedCache()
+        #: ``Exchange``'s plans for this slot, by its fields' (type, dtype, length), land, land dtype.
+        self.exchanges: BoundedCache[tuple[Any, ...], Any] = BoundedCache()
 
     def device_view(self, dtype: torch.dtype, first: int, numel: int) -> torch.Tensor:
         key = (dtype, first, numel)
