@@ -56,14 +56,22 @@ class Exchange(Stage):
 
     def _fill(self, fields: Sequence[Field], land: int | None, land_dtype: torch.dtype) -> None:
         layout = self._layout
-        try:
-            key = (tuple([(type(values), dtype, len(values)) for values, dtype in fields]), land, land_dtype)
-            plan = layout.exchanges.get(key)
-        except (
-            TypeError,
-            ValueError,
-        ):  # not (values, dtype) pairs, or values without a length: the general path says why
-            key, plan = None, None
+        key = plan = None
+        # A plan replays only arguments of the exact shapes it was made from: a list or tuple
+        # of (values, dtype) tuples, ``land`` an int or None. Anything else (a generator, a
+        # list pair, ``land=True``) takes the general path, which checks it.
+        if (
+            (type(fields) is list or type(fields) is tuple)
+            and (land is None or type(land) is int)
+            and type(land_dtype) is torch.dtype
+        ):
+            try:
+                shapes = [(type(f[0]), f[1], len(f[0])) if type(f) is tuple and len(f) == 2 else None for f in fields]
+                if None not in shapes:
+                    key = (tuple(shapes), land, land_dtype)
+                    plan = layout.exchanges.get(key)
+            except TypeError:
+                key = plan = None  # values without a length, an unhashable dtype: the general path says why
         if plan is not None:
             packs, views, landing_plan, used, cursor = plan
             host_bytes = layout.host_bytes
@@ -108,10 +116,11 @@ class Exchange(Stage):
                 raise StagingTypeError(f"'fields[{i}]' must be a (values, dtype) pair (got {type(field).__name__})")
             values, dtype = field
             start = self._cursor
-            views.append(self.put(values, dtype, name=f"fields[{i}]"))
+            view = self.put(values, dtype, name=f"fields[{i}]")
+            views.append(view)
             packer = PACKERS.get((dtype, len(values))) if type(values) is list else None
-            if packer is None or self.spilled or self.used_bytes != start + packer.size:
-                plannable = False  # not a list struct packs in place at ``start``
+            if packer is None or self.spilled or self.used_bytes != start + packer.size or view.dim() != 1:
+                plannable = False  # not a flat list struct packs in place at ``start``
             else:
                 packs.append((packer, layout.host_base + start))
         self.views = tuple(views)
@@ -120,7 +129,7 @@ class Exchange(Stage):
             self.land_to = self.landing = None
         else:
             key = (self._cursor, self._tail, self._capacity, land, land_dtype)
-            self.land_to, self.landing = self.land(land, land_dtype)
+            self.land_to, self.landing = self.land(land, land_dtype, name="land")
             landing_plan = layout.landings.get(key)  # the plan ``land`` kept; None when it spilled
             plannable = plannable and landing_plan is not None and not self.spilled
         if not plannable:

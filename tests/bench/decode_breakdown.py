@@ -91,7 +91,7 @@ def pool_calls(mode: str, running: int, steps: int = 60) -> str:
     """Median µs per step of each pool call of the decode exchange, in the loop as it runs."""
     from engine import readback as engine_readback
     from engine import uploader
-    from pinpool import readback, ring, stage, transport
+    from pinpool import exchange, readback, ring, stage, transport
 
     spent: dict[str, float] = {}
     patched: list[tuple[object, str, object]] = []
@@ -111,6 +111,8 @@ def pool_calls(mode: str, running: int, steps: int = 60) -> str:
 
     for owner, attr in (
         (ring.PinnedRingBuffer, "stage"),
+        (ring.PinnedRingBuffer, "exchange"),
+        (exchange.Exchange, "fill"),
         (stage.Stage, "put"),
         (stage.Stage, "land"),
         (stage.Stage, "flush"),
@@ -123,6 +125,7 @@ def pool_calls(mode: str, running: int, steps: int = 60) -> str:
         (transport._CudaFence, "record"),
         (transport._CudaFence, "query"),
         (readback.Readback, "tolist"),
+        (readback.Landing, "tolist"),
     ):
         wrap(owner, attr, f"{owner.__name__}.{attr}")  # type: ignore[attr-defined]
     try:

@@ -30,6 +30,7 @@ def _openers(pool: PinnedRingBuffer, stream: SimStream | None) -> dict[str, Call
     block = StaticInputs(pool, FIELDS, max_rows=4)
     return {
         "stage": lambda: pool.stage(stream=stream),
+        "exchange": lambda: pool.exchange([([1, 2], torch.int64)], land=2, stream=stream),
         "owned stage": lambda: pool.stage(stream=stream, owned_bytes=64),
         "zero-copy stage": lambda: pool.stage(stream=stream, zero_copy=True),
         "read-back": lambda: pool.readback(torch.arange(4), stream=stream),
@@ -38,7 +39,7 @@ def _openers(pool: PinnedRingBuffer, stream: SimStream | None) -> dict[str, Call
 
 
 @pytest.mark.parametrize("explicit", [False, True], ids=["current stream", "stream passed"])
-@pytest.mark.parametrize("kind", ["stage", "owned stage", "zero-copy stage", "read-back", "static stage"])
+@pytest.mark.parametrize("kind", ["stage", "exchange", "owned stage", "zero-copy stage", "read-back", "static stage"])
 def test_every_way_to_stage_is_refused_on_a_capturing_stream_and_changes_nothing(kind: str, explicit: bool) -> None:
     """Catches a stage opened on a capturing stream: its copy and fence would be baked into the graph."""
     gpu = LaggingGpu(max_lag=4, seed=1, devices=2)
