@@ -146,6 +146,8 @@ def write_list(dst: np.ndarray[Any, Any], src: Any, target: torch.dtype, name: s
             # RuntimeWarning would only repeat it, in the user's log.
             with np.errstate(over="ignore"):
                 dst[:] = src
+        except OverflowError as exc:  # an int too large for any float (10**400)
+            raise StagingValueError(f"'{name}' holds a number too large for {target} ({exc})") from exc
         except (ValueError, TypeError) as exc:
             raise StagingValueError(f"'{name}' must hold only numbers ({exc})") from exc
         # Narrowing can overflow to inf silently. A finite sum proves every element is

@@ -47,14 +47,11 @@ class Exchange(Stage):
     __slots__ = ("land_to", "landing", "views")
 
     def fill(self, fields: Sequence[Field], land: int | None, land_dtype: torch.dtype) -> None:
-        """Put ``fields``, claim the landing, issue the copy; on any error abort the stage and raise."""
-        try:
-            self._fill(fields, land, land_dtype)
-        except BaseException:
-            self.close(ok=False)  # nothing was copied: the slot goes to the next claim as it was
-            raise
+        """Put ``fields``, claim the landing, issue the copy.
 
-    def _fill(self, fields: Sequence[Field], land: int | None, land_dtype: torch.dtype) -> None:
+        On an error the caller (``PinnedRingBuffer.exchange``) aborts the stage: nothing
+        was copied (except a field ``overflow='spill'`` spilled, which the abort fences).
+        """
         layout = self._layout
         key = plan = None
         # A plan replays only arguments of the exact shapes it was made from: a list or tuple

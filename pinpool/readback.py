@@ -107,7 +107,13 @@ class Landing(Readback):
 
     def tolist(self) -> Any:
         """The landed values as Python numbers (waits if the writer has not run yet)."""
-        self._landed()
+        # ``_landed`` inline: a decode loop reads one of these a step, right after its launches.
+        if not self.armed or self._pool.slot_generation(self.slot) != self.generation:
+            self._landed()  # raises: read before a successful close, or the slot recycled
+        if not self._landed_seen:
+            if not self._fence.query():
+                self._pool.wait_for_readback(self._fence)
+            self._landed_seen = True
         return self._host.tolist()  # sync-ok: a numpy view of pinned host memory whose fence has passed (checked above)
 
     def _landed(self) -> None:

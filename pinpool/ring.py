@@ -292,7 +292,8 @@ class PinnedRingBuffer:
         the slot (``Stage.land``; ``ex.land_to`` are their addresses, ``ex.landing`` reads
         them after the close). The copy is issued before it returns: launch the step's
         kernels, then ``close()`` (or leave the ``with``). Same rules as ``stage()``; on any
-        error nothing is copied, the stage is aborted and the error raised.
+        error the stage is aborted and the error raised: nothing is copied, except a field
+        that ``overflow='spill'`` already spilled, whose copy the abort fences.
         """
         if self._open is not None or self._closed or self._debug:
             self._check_usable()  # raises, or (debug) checks the calling thread
@@ -302,7 +303,11 @@ class PinnedRingBuffer:
         slot = self._claim(stream, writes_mirror=True)
         ex = Exchange(self, self._layouts[slot], slot, self._generation, stream, None)
         self._open = ex
-        ex.fill(fields, land, land_dtype)
+        try:
+            ex.fill(fields, land, land_dtype)
+        except BaseException:
+            ex.close(ok=False)  # the slot goes to the next claim as it was (a spilled copy is fenced)
+            raise
         return ex
 
     def readback(self, src: torch.Tensor, *, stream: Stream | None = None) -> Readback:

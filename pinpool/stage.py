@@ -134,6 +134,7 @@ class Stage:
         self._align = layout.alignment
         self._cursor = 0
         #: Bytes of the slot the stage's copy covers so far (puts, reservations, address columns).
+        #: Kept by the stage, read by the ring: read-only to callers.
         self.used_bytes = 0
         # Landings (``land``) are claimed from the slot's end down, outside the
         # copied bytes; puts, reservations and read-backs stop where they start.
@@ -141,7 +142,7 @@ class Stage:
         #: Landing handles of this stage (``land``), made readable by a successful close.
         self._landings: list[Landing] = []
         #: True once landing bytes are claimed (``land``): kernels store into this stage's slot,
-        #: so its fence follows them (and every registered consumer).
+        #: so its fence follows them (and every registered consumer). Read-only to callers.
         self.landings = False
         self._open = True
         self.flushed = False

@@ -377,3 +377,36 @@ def test_an_exchange_on_an_unchanged_stream_makes_one_copy_and_one_record() -> N
     assert gpu.stream_waits == 0
     gpu.drain()
     assert gpu.mismatches == [] and plans(pool) > 0
+
+
+# -- the review's cases ------------------------------------------------------------------------
+def test_a_field_that_spills_reads_right_every_lap_and_is_never_planned() -> None:
+    """Catches a plan kept for a spilled field (its bytes are not in the slot) or a spilled field
+    read wrong: with overflow='spill' an exchange too big for its slot still lands every value."""
+    pool = PinnedRingBuffer(
+        PoolSettings(device="cpu", num_slots=NUM_SLOTS, slot_bytes=256, zero_copy=True, overflow="spill")
+    )
+    for lap in range(3 * NUM_SLOTS):
+        big = [lap * 100 + i for i in range(40)]  # 320 bytes: more than the slot
+        with pool.exchange([([lap], torch.int64), (big, torch.int64)], land=2) as ex:
+            small_d, big_d = ex.views
+            land_reference(torch.tensor([lap, -lap]), ex.land_to)
+        assert (small_d.tolist(), big_d.tolist(), ex.landing.tolist()) == ([lap], big, [lap, -lap])
+    assert plans(pool) == 0
+    assert pool.stats().overflows == 3 * NUM_SLOTS
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["general", "replay"])
+def test_a_number_too_large_for_any_float_is_a_typed_error(planned: bool) -> None:
+    """Catches a raw OverflowError (not the typed error naming the field) for an int beyond float64."""
+    pool = cpu_pool()
+    if planned:
+        for _ in range(NUM_SLOTS):
+            pool.exchange([([1.0], torch.float64)]).close()
+    copies = pool.stats().copies
+    with pytest.raises(StagingValueError, match=r"'fields\[0\]' holds a number too large for torch.float64"):
+        pool.exchange([([10**400], torch.float64)])
+    assert pool.stats().copies == copies
+    with pool.exchange([([2.5], torch.float64)]) as ex:
+        pass
+    assert ex.views[0].tolist() == [2.5]

@@ -212,3 +212,21 @@ def test_resolve_for_stage_asks_of_a_passed_stream_forked_into_a_capture(
     resolved, answer = cuda.resolve_for_stage(side)
     assert (resolved, answer) == (side, True)
     assert fake.state() == before
+
+
+@pytest.mark.parametrize("capturing", [True, False])
+def test_resolve_for_stage_with_the_current_stream_passed_answers_for_it(
+    fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, capturing: bool
+) -> None:
+    """Catches the explicit-stream path (the fallback) answering for another stream than the one passed."""
+    import torch
+
+    monkeypatch.setattr(transport, "_is_capturing", lambda: capturing and fake.current[fake.device] == 150)
+    fake.device, fake.current[1] = 1, 150
+    before = fake.state()
+    cuda = transport.CudaTransport(torch.device("cuda", 1))
+    current = SimpleNamespace(stream_id=150, device_index=1, device_type=1)
+    # A CPU build cannot construct a torch.cuda.Stream: the type check answers yes for this stand-in.
+    monkeypatch.setattr(transport, "isinstance", lambda obj, cls: True, raising=False)
+    assert cuda.resolve_for_stage(current) == (current, capturing)
+    assert fake.state() == before
