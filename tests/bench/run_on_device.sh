@@ -34,7 +34,9 @@ bench_start=$SECONDS
 # --plot only where matplotlib is installed: without it the bench refuses to start.
 plot=(); python3 -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/bench.png")
 eager_workloads=staging,zero_copy,sampling,sampling_sglang,memcache,memcache_sglang,decode
-box 240 python3 -m pinpool.bench.cli bench --workloads "$eager_workloads" --json "$LOGS/bench.json" "${plot[@]}" "$@" \
+# 5 interleaved rounds, as the graph bench below: the eager decode loop's staging rows are
+# tens of µs, and between machines of one kind a median of 3 moved by 10-15%.
+box 240 python3 -m pinpool.bench.cli bench --workloads "$eager_workloads" --repeats 5 --json "$LOGS/bench.json" "${plot[@]}" "$@" \
   2>"$LOGS/bench.err" | tee "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 # The graph-decode workload in a box of its own (it captures graphs per config and mode),

@@ -88,9 +88,12 @@ def test_a_stream_change_between_exchanges_waits_on_the_device_for_the_old_strea
     an exchange on another stream."""
     pool = _pool(0, num_slots=2)
     s1, s2 = torch.cuda.Stream(0), torch.cuda.Stream(0)
-    with pool.exchange([([1] * N, torch.int64)], stream=s1) as ex, torch.cuda.stream(s1):
+    ex = pool.exchange([([1] * N, torch.int64)], stream=s1)
+    ex.close()  # the slot's fence right after the copy
+    s1.synchronize()  # copy and fence done, so the host reuses the slot without a wait; the reader below is not
+    with torch.cuda.stream(s1):
         torch.cuda._sleep(LAG)
-        late = ex.views[0].clone()  # queued behind the lag
+        late = ex.views[0].clone()  # queued behind the lag, within the view's lifetime
     for _ in range(2):  # the second reuses the slot of ``late``'s view
         with pool.exchange([([9] * N, torch.int64)], stream=s2):
             pass
