@@ -39,7 +39,7 @@ class Exchange(Stage):
         with pool.exchange([(rows, torch.int64), (positions, torch.int64)], land=bs) as ex:
             rows_d, positions_d = ex.views
             tokens_d = sample(model(rows_d, positions_d), land_to=ex.land_to)  # stores into the slot
-        tokens = ex.landing.tolist()  # after the close: waits only if the sampler has not run
+        tokens = ex.landing.tolist()  # sync-ok: after the close; waits only if the sampler has not run
 
     The copy is already issued: nothing more can be put. ``readback`` still works.
     """
