@@ -410,3 +410,25 @@ def test_a_number_too_large_for_any_float_is_a_typed_error(planned: bool) -> Non
     with pool.exchange([([2.5], torch.float64)]) as ex:
         pass
     assert ex.views[0].tolist() == [2.5]
+
+
+def test_debug_refuses_an_exchange_with_a_landing_closed_under_an_unregistered_stream() -> None:
+    """Catches an exchange's landing writer launched on an unregistered side stream going unflagged
+    in debug mode (its stores would not be covered by the slot's fence)."""
+    from pinpool.exceptions import UnguardedReaderError
+
+    gpu = LaggingGpu(max_lag=0)
+    side = gpu.new_stream("side")
+    pool = PinnedRingBuffer(
+        PoolSettings(device="cpu", num_slots=NUM_SLOTS, slot_bytes=SLOT_BYTES, zero_copy=True, debug=True),
+        transport=gpu,  # type: ignore[arg-type]  # a structural Transport
+    )
+    ex = pool.exchange([([1, 2], torch.int64)], land=2)
+    gpu.set_current(side)
+    with pytest.raises(UnguardedReaderError, match="neither the stage's stream"):
+        ex.close()
+    pool.register_consumer_stream(side)
+    with pool.exchange([([3, 4], torch.int64)], land=2) as ex2:  # registered: covered, so accepted
+        land_reference(torch.tensor([5, 6]), ex2.land_to.clone())
+    gpu.drain()
+    assert ex2.landing.tolist() == [5, 6] and ex2.views[0].tolist() == [3, 4]
