@@ -46,6 +46,9 @@ class Exchange(Stage):
 
     __slots__ = ("land_to", "landing", "views")
 
+    def __enter__(self) -> Exchange:
+        return self
+
     def fill(self, fields: Sequence[Field], land: int | None, land_dtype: torch.dtype) -> None:
         """Put ``fields``, claim the landing, issue the copy.
 
