@@ -45,6 +45,12 @@ class Exchange(Stage):
     """
 
     __slots__ = ("land_to", "landing", "views")
+    #: The fields' device views, in order.
+    views: tuple[torch.Tensor, ...]
+    #: With ``land=``: int64 device addresses for the kernel that stores the values; else None.
+    land_to: torch.Tensor | None
+    #: With ``land=``: the handle that reads the landed values after the close; else None.
+    landing: Landing | None
 
     def __enter__(self) -> Exchange:
         return self

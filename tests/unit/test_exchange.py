@@ -390,7 +390,9 @@ def test_a_field_that_spills_reads_right_every_lap_and_is_never_planned() -> Non
         big = [lap * 100 + i for i in range(40)]  # 320 bytes: more than the slot
         with pool.exchange([([lap], torch.int64), (big, torch.int64)], land=2) as ex:
             small_d, big_d = ex.views
+            assert ex.land_to is not None
             land_reference(torch.tensor([lap, -lap]), ex.land_to)
+        assert ex.landing is not None
         assert (small_d.tolist(), big_d.tolist(), ex.landing.tolist()) == ([lap], big, [lap, -lap])
     assert plans(pool) == 0
     assert pool.stats().overflows == 3 * NUM_SLOTS
@@ -429,6 +431,8 @@ def test_debug_refuses_an_exchange_with_a_landing_closed_under_an_unregistered_s
         ex.close()
     pool.register_consumer_stream(side)
     with pool.exchange([([3, 4], torch.int64)], land=2) as ex2:  # registered: covered, so accepted
+        assert ex2.land_to is not None
         land_reference(torch.tensor([5, 6]), ex2.land_to.clone())
     gpu.drain()
+    assert ex2.landing is not None
     assert ex2.landing.tolist() == [5, 6] and ex2.views[0].tolist() == [3, 4]
