@@ -490,9 +490,6 @@ class PinnedRingBuffer:
                 self._fence_readers(st)
             else:  # the stage's stream alone, inline: every landing step closes here
                 self._fences[slot].record(st.stream)
-            if self._debug and ok:
-                covered = [consumer for consumer, _ in self._consumers]
-                refuse_unregistered_reader(self._transport, st, [*covered, *st.guarded_by])
         elif not st.read_back:
             # Rule 1, on the stage's fixed stream: wherever the stage is closed, the fence
             # follows its copy. (After a stage read-back the fence is already recorded
@@ -503,6 +500,11 @@ class PinnedRingBuffer:
             counters.owned_stages += 1
         if not ok:
             counters.aborted_stages += 1
+        if landings and self._debug and ok:
+            # Last, with the ring moved on: a writer on an unregistered stream may still store
+            # into this slot, so the next claim must not be handed it at once.
+            covered = [consumer for consumer, _ in self._consumers]
+            refuse_unregistered_reader(self._transport, st, [*covered, *st.guarded_by])
 
     def finish_zero_copy(self, st: Stage, ok: bool) -> None:
         """Close a zero-copy stage: no copy; the slot's fence after its readers (rule 1)."""

@@ -43,6 +43,7 @@ def test_every_lap_reads_its_own_values_behind_lag_and_lands_its_own_tokens(
             stream = side if on == "side stream" else None
             ex = pool.exchange([(rows, torch.int64), (positions, torch.int32)], land=N, stream=stream)
             assert ex.land_to is not None and ex.landing is not None
+            assert ex.stream == (side if on == "side stream" else torch.cuda.current_stream(dev))
             with torch.cuda.stream(ex.stream):
                 torch.cuda._sleep(LAG // 8)  # the step's stream lags behind the host
                 rows_d, positions_d = ex.views

@@ -425,12 +425,17 @@ def test_debug_refuses_an_exchange_with_a_landing_closed_under_an_unregistered_s
         PoolSettings(device="cpu", num_slots=NUM_SLOTS, slot_bytes=SLOT_BYTES, zero_copy=True, debug=True),
         transport=gpu,  # type: ignore[arg-type]  # a structural Transport
     )
+    main = pool.transport.resolve_stream(None)
     ex = pool.exchange([([1, 2], torch.int64)], land=2)
     gpu.set_current(side)
     with pytest.raises(UnguardedReaderError, match="neither the stage's stream"):
         ex.close()
+    # The refused close moved the ring on: the slot an unguarded writer may still store into
+    # is not the next one handed out.
+    with pool.exchange([([0], torch.int64)], stream=main) as next_one:
+        assert next_one.slot != ex.slot
     pool.register_consumer_stream(side)
-    with pool.exchange([([3, 4], torch.int64)], land=2) as ex2:  # registered: covered, so accepted
+    with pool.exchange([([3, 4], torch.int64)], land=2, stream=main) as ex2:  # side registered: accepted
         assert ex2.land_to is not None
         land_reference(torch.tensor([5, 6]), ex2.land_to.clone())
     gpu.drain()
