@@ -617,31 +617,12 @@ class PinnedRingBuffer:
         resolved = self._transport.resolve_stream(stream)
         return resolved, self._capturing(resolved)
 
-    def _claim(self, stream: Stream, *, writes_mirror: bool) -> int:
-        """The next slot, safe to write on the host, guarded on the device for ``stream``, under a new generation."""
-        # Rules 1 and 5 as in ``_reclaim_host``, inline: this runs every stage.
-        slot = self._next_slot
-        fence = self._fences[slot]
-        if not fence.query():
-            self._stall(slot, fence)
-        if self._retained[slot]:
-            self._retained[slot].clear()
-        last = self._last_stream[slot]
-        if last is not stream and not self._transport.same_stream(last, stream):
-            # Rule 2, change of stream: work queued on the slot's previous user's stream
-            # (its copy, and kernels reading its slices there) must finish before this
-            # stream touches the slot. An event recorded there now covers all of it; the
-            # wait is on the device. Nothing is spent while the stream stays the same.
-            self._hand_off(slot, last, stream)
-        self._last_stream[slot] = stream
-        if writes_mirror and (self._consumers or self._debug):
-            self._guard_consumers(slot, stream)
-        self._generation += 1
-        self._slot_generation[slot] = self._generation
-        return slot
+    def _claim(self, stream: Stream, *, writes_mirror: bool, in_place: bool = False) -> int:
+        """The next slot, safe to write on the host, guarded on the device for ``stream``, under a new generation.
 
-    def _reclaim_host(self) -> int:
-        """The next slot, once its host region is free to write (rules 1 and 5)."""
+        ``in_place``: a zero-copy stage, which never touches the device mirror: rules 1 and 5
+        only, and the slot's last mirror user stays on record for the next copy's hand-off.
+        """
         slot = self._next_slot
         fence = self._fences[slot]
         # Rule 1: the host region may still feed a pending copy, receive a read-back or be
@@ -652,6 +633,19 @@ class PinnedRingBuffer:
         if self._retained[slot]:
             # Rule 5: the fence has passed, so the kernels that read these are done.
             self._retained[slot].clear()
+        if not in_place:
+            last = self._last_stream[slot]
+            if last is not stream and not self._transport.same_stream(last, stream):
+                # Rule 2, change of stream: work queued on the slot's previous user's stream
+                # (its copy, and kernels reading its slices there) must finish before this
+                # stream touches the slot. An event recorded there now covers all of it; the
+                # wait is on the device. Nothing is spent while the stream stays the same.
+                self._hand_off(slot, last, stream)
+            self._last_stream[slot] = stream
+            if writes_mirror and (self._consumers or self._debug):
+                self._guard_consumers(slot, stream)
+        self._generation += 1
+        self._slot_generation[slot] = self._generation
         return slot
 
     def _zero_copy_stage(self, stream: Stream, owned_bytes: int | None, owned: torch.Tensor | None) -> Stage:
@@ -665,12 +659,9 @@ class PinnedRingBuffer:
             )
         # Rule 1: the host rewrites the slot in place, so everything that may still read or
         # write it (a copy, a read-back, a previous zero-copy stage's readers) must be done.
-        slot = self._reclaim_host()
         # Rule 2 does not apply: the device mirror is not written, so neither the hand-off
-        # nor the consumer guards run, and the slot's last mirror user stays on record for
-        # the next copy stage's hand-off.
-        self._generation += 1
-        self._slot_generation[slot] = self._generation
+        # nor the consumer guards run.
+        slot = self._claim(stream, writes_mirror=False, in_place=True)
         st = ZeroCopyStage(self, layouts[slot], slot, self._generation, stream, None)
         self._open = st
         return st
