@@ -7,7 +7,7 @@ from sampling.exceptions import BatchMismatchError, SamplingParamError
 from sampling.logit_bias import SparseLogitBias
 from sampling.params import DEFAULT_SEED, GREEDY_EPS, RECORD_DTYPE, TOP_K_ALL, SamplingParams
 from sampling.sampler import Sampler, SamplingTensors
-from sampling.sglang_params import ForeignParamsCache, pack_foreign
+from sampling.sglang_params import pack_foreign
 from sampling.static import SAMPLING_FIELDS, StaticSamplingInfo, sampling_columns
 
 __all__ = [
@@ -17,7 +17,6 @@ __all__ = [
     "SAMPLING_FIELDS",
     "TOP_K_ALL",
     "BatchMismatchError",
-    "ForeignParamsCache",
     "RequestLike",
     "Sampler",
     "SamplingBatchInfo",

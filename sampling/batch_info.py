@@ -15,7 +15,9 @@ only for its stage (see ``from_schedule_batch``).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any, Protocol
 
 import attrs
@@ -36,7 +38,11 @@ from sampling.params import (
     TOP_K_ALL,
     SamplingParams,
 )
-from sampling.sglang_params import FOREIGN_PARAMS
+from sampling.sglang_params import pack_foreign
+
+_PARAMS = attrgetter("sampling_params")
+_RECORD = attrgetter("record")
+_INT_ONLY = frozenset({int})
 
 
 class RequestLike(Protocol):
@@ -125,14 +131,14 @@ class SamplingBatchInfo:
         ``filter_batch`` / ``merge_batch`` refuse such a batch. Not with ``owned=True``,
         nor with an owned stage (build an owned batch without ``stage`` instead).
         """
-        reqs = batch.reqs
-        bs = len(reqs)
-        if bs == 0:
-            raise BatchMismatchError("'batch.reqs' must hold at least one request (got 0)")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise BatchMismatchError(f"'vocab_size' must be an int >= 1 (got {vocab_size!r})")
         if batch.device != pool.device and not _same_device(batch.device, pool.device):
             raise DeviceMismatchError(f"'batch.device' must be the pool's device {pool.device} (got {batch.device})")
+        reqs = batch.reqs
+        bs = len(reqs)
+        if bs == 0:  # sglang's idle batch (ScheduleBatch.prepare_for_idle) builds from no requests
+            return cls._empty(pool, vocab_size, deterministic)
         joined, bias_of = _gather_records(reqs)
         host_records = joined if isinstance(joined, np.ndarray) else np.frombuffer(joined, RECORD_DTYPE)
         flags = host_records["flags"]
@@ -165,6 +171,12 @@ class SamplingBatchInfo:
             sparse_logit_bias=sparse,
             flag_bits=(any_flags, int(np.bitwise_and.reduce(flags))),
         )
+
+    @classmethod
+    def _empty(cls, pool: PinnedRingBuffer, vocab_size: int, deterministic: bool) -> SamplingBatchInfo:
+        """A batch of no requests, owned (nothing staged): ``merge_batch`` grows it, ``filter_batch([])`` keeps it."""
+        block = torch.empty(0, dtype=torch.int32, device=pool.device)
+        return cls(block, np.empty(0, RECORD_DTYPE), vocab_size, deterministic, pool)
 
     @classmethod
     def _build_into(
@@ -231,15 +243,12 @@ class SamplingBatchInfo:
         """
         if self.stage_bound:
             self._refuse_edit("filter_batch")
-        raw = np.asarray(keep_indices)
-        if raw.size and raw.dtype.kind not in "iu":
-            # A float would be truncated and a bool mask read as indices 0 and 1: wrong rows, silently.
-            raise BatchMismatchError(f"'keep_indices' must be integer row indices (got dtype {raw.dtype})")
-        keep = raw.astype(np.int64, copy=False).reshape(-1)
+        keep = _keep_array(keep_indices)
         bs = len(self.host_records)
-        if keep.size == 0 or keep.min() < 0 or keep.max() >= bs:
+        # One bound check: a negative index read as unsigned is past any batch size.
+        if keep.size and int(keep.view(np.uint64).max()) >= bs:
             got = keep.tolist()[:8]  # sync-ok: numpy host array, no device read
-            raise BatchMismatchError(f"'keep_indices' must be non-empty and in [0, {bs}) (got {got})")
+            raise BatchMismatchError(f"'keep_indices' must be in [0, {bs}) (got {got})")
         # Before anything is staged: staging claims a slot, and that claim may be the one
         # that recycles this batch's own (a ring batch is live for num_slots - 1 claims).
         self.check_live()
@@ -251,9 +260,9 @@ class SamplingBatchInfo:
             with self.pool.stage(owned_bytes=owned_bytes) as st:
                 keep_indices_device = st.put(keep, torch.int64, name="keep_indices")
         elif (
-            keep_indices_device.device != self.columns.device
+            keep_indices_device.dtype != torch.int64
             or keep_indices_device.shape != (keep.size,)
-            or keep_indices_device.dtype != torch.int64
+            or keep_indices_device.get_device() != self.columns.get_device()
         ):
             raise BatchMismatchError(
                 f"'keep_indices_device' must be int64 shape ({keep.size},) on {self.columns.device} "
@@ -291,7 +300,10 @@ class SamplingBatchInfo:
             sparse = SparseLogitBias.land(self.pool, block)
         joined = columns.concat(self.columns, len(self), other.columns, len(other))
         self.columns = joined
-        self.host_records = np.concatenate([self.host_records, other.host_records])
+        # As bytes: numpy's concatenate of structured arrays re-derives their common dtype.
+        self.host_records = np.concatenate([self.host_records.view(np.uint8), other.host_records.view(np.uint8)]).view(
+            RECORD_DTYPE
+        )
         self.sparse_logit_bias = sparse
         self.lease = None
         self._derive()
@@ -380,15 +392,36 @@ class SamplingBatchInfo:
 def _gather_records(reqs: Sequence[RequestLike]) -> tuple[bytes | np.ndarray[Any, Any], BiasOf]:
     """The requests' records (joined bytes, or a RECORD_DTYPE array), and where to find request i's
     (token ids, values)."""
-    if type(reqs[0].sampling_params) is SamplingParams:
+    try:
+        params = list(map(_PARAMS, reqs))
+    except AttributeError:
+        i = next(i for i, r in enumerate(reqs) if not hasattr(r, "sampling_params"))
+        raise BatchMismatchError(
+            f"'batch.reqs[{i}]' must be a request with a 'sampling_params' attribute (got {type(reqs[i]).__name__})"
+        ) from None
+    if type(params[0]) is SamplingParams:
         try:
-            joined = b"".join([r.sampling_params.record for r in reqs])
+            joined = b"".join(map(_RECORD, params))
         except AttributeError:  # a mixed batch: some requests carry sglang's params
             pass
         else:
-            return joined, lambda i: reqs[i].sampling_params.logit_bias
-    records, rows = FOREIGN_PARAMS.records([r.sampling_params for r in reqs])
-    return records, lambda i: FOREIGN_PARAMS.bias(rows[i])
+            return joined, lambda i: params[i].logit_bias
+    records, biases = pack_foreign(params)
+    return records, biases.get
+
+
+def _keep_array(keep_indices: Sequence[int] | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``keep_indices`` as a flat int64 array; a scheduler's list of ints converts at C speed."""
+    if type(keep_indices) is list and set(map(type, keep_indices)) <= _INT_ONLY:  # bools are no indices
+        try:
+            return np.frombuffer(array("q", keep_indices), np.int64)
+        except (TypeError, OverflowError):  # not plain ints: numpy says what they are below
+            pass
+    raw = np.asarray(keep_indices)
+    if raw.size and raw.dtype.kind not in "iu":
+        # A float would be truncated and a bool mask read as indices 0 and 1: wrong rows, silently.
+        raise BatchMismatchError(f"'keep_indices' must be integer row indices (got dtype {raw.dtype})")
+    return raw.astype(np.int64, copy=False).reshape(-1)
 
 
 def _check_bias_tokens(host_records: np.ndarray[Any, Any], vocab_size: int) -> None:

@@ -53,13 +53,8 @@ def write_columns(host: np.ndarray[Any, Any], joined: bytes | np.ndarray[Any, An
 def views(block: torch.Tensor, bs: int) -> Columns:
     """(temperatures [bs, 1], top_ps, top_ks, min_ps, seeds), each a contiguous view of ``block``."""
     quad = block[: 4 * bs].view(4, bs)
-    return (
-        quad[0].view(torch.float32).view(bs, 1),
-        quad[1].view(torch.float32),
-        quad[2],
-        quad[3].view(torch.float32),
-        block[4 * bs :].view(torch.int64),
-    )
+    temperature, top_p, _, min_p = quad.view(torch.float32).unbind()  # one call for the four row views
+    return temperature.view(bs, 1), top_p, quad[2], min_p, block[4 * bs :].view(torch.int64)
 
 
 # Ring-staged blocks of the same batch size land at the same slot offsets lap after lap:

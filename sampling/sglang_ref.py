@@ -41,13 +41,27 @@ class _Orchestrator:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
+    def filter(self, keep_indices_device: Any) -> None:
+        pass
+
+    def merge(self, other: Any) -> None:
+        pass
+
+
+#: sglang's runtime switches as its build reads them: ``deterministic`` is flipped by ``Build``.
+_EXEC = types.SimpleNamespace(
+    deterministic=types.SimpleNamespace(enable_deterministic_inference=True),
+    features=types.SimpleNamespace(enable_custom_logit_processor=False, enable_watermark=False),
+)
+
 
 def _exec_config() -> Any:
-    ns = types.SimpleNamespace
-    return ns(
-        deterministic=ns(enable_deterministic_inference=True),
-        features=ns(enable_custom_logit_processor=False, enable_watermark=False),
-    )
+    return _EXEC
+
+
+def set_deterministic(on: bool) -> None:
+    """Switch sglang's deterministic inference (its build then stages the seeds) for later builds."""
+    _EXEC.deterministic.enable_deterministic_inference = on
 
 
 def _pin(device: Any = None) -> bool:
@@ -72,6 +86,28 @@ def load() -> tuple[Build, str]:
     module = exec_file("sglang.srt.sampling.sampling_batch_info", path)
     build: Build = module.SamplingBatchInfo.from_schedule_batch
     return build, f"sglang 0.5.23's own from_schedule_batch ({path}), penalizers/grammars/watermarks stubbed"
+
+
+_PARAMS_RELATIVE = Path("sglang/srt/sampling/sampling_params.py")
+
+
+def load_params_class() -> tuple[Callable[..., Any], str]:
+    """(sglang's own ``SamplingParams`` class when ``.sglang/`` and msgspec are here, else
+    ``SglangParams``, the stand-in; where it came from). Both normalise at construction."""
+    root = sglang_dir(_PARAMS_RELATIVE)
+    try:
+        import msgspec  # noqa: F401  (sglang's params class is a msgspec struct)
+    except ImportError:
+        root = None
+    if root is None:
+        return SglangParams, "stand-in SglangParams (no .sglang/ or no msgspec): sglang's fields, not its class"
+    stub("sglang.srt.sampling.watermarking.core", WatermarkRequestConfig=object, normalize_watermark_request=_same)
+    module = exec_file("sglang.srt.sampling.sampling_params", root / _PARAMS_RELATIVE)
+    return module.SamplingParams, f"sglang 0.5.23's own SamplingParams ({root / _PARAMS_RELATIVE})"
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def rebuild(batch: Any, vocab_size: int) -> Any:

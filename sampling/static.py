@@ -180,7 +180,7 @@ class StaticSamplingInfo:
 def sampling_columns(records: np.ndarray[Any, Any] | bytes | bytearray | memoryview) -> dict[str, np.ndarray[Any, Any]]:
     """The live requests' five sampling columns, to ``put`` into a stage: name -> contiguous array.
 
-    ``records``: a RECORD_DTYPE [live] array (``pack_foreign``, ``ForeignParamsCache.records``)
+    ``records``: a RECORD_DTYPE [live] array (``pack_foreign``)
     or the joined record bytes (``b"".join(p.record for p in params)``). Two numpy copies
     (the four 32-bit fields transposed at once, then the seeds) and one flags reduction; the
     arrays have the block's dtypes, so ``StaticStage.put`` takes its direct path. Call it

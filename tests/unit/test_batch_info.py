@@ -167,11 +167,42 @@ def test_a_filter_of_a_stale_ring_batch_raises_before_it_stages_anything() -> No
     assert pool.claims == claims
 
 
-def test_device_and_empty_batch_errors() -> None:
-    """Catches a batch staged for one device into a pool of another, and an empty batch."""
+@pytest.mark.parametrize("owned", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_an_empty_batch_builds_and_then_merges_and_filters(owned: bool, deterministic: bool) -> None:
+    """Catches sglang's idle path broken: ``ScheduleBatch.prepare_for_idle`` builds from no requests,
+    and the running batch later merges into that empty info and filters it."""
     pool = make_pool()
-    with pytest.raises(BatchMismatchError, match="at least one request"):
-        SamplingBatchInfo.from_schedule_batch(Batch([]), VOCAB, pool)
+    empty = SamplingBatchInfo.from_schedule_batch(Batch([]), VOCAB, pool, owned=owned, deterministic=deterministic)
+    assert len(empty) == 0 and empty.temperatures.shape == (0, 1) and empty.top_ks.shape == (0,)
+    assert empty.is_all_greedy and not empty.is_any_greedy and not empty.need_top_p_sampling
+    assert empty.logit_bias is None and (empty.sampling_seed is not None) == deterministic
+    assert pool.stats().copies == 0
+    empty.filter_batch([])
+    assert len(empty) == 0
+    rng = random.Random(5)
+    params = [random_params(rng, VOCAB) for _ in range(5)]
+    empty.merge_batch(
+        SamplingBatchInfo.from_schedule_batch(
+            Batch([Req(p) for p in params]), VOCAB, pool, owned=True, deterministic=deterministic
+        )
+    )
+    assert len(empty) == 5
+    if deterministic:
+        assert_matches(empty, params)
+    empty.filter_batch([4, 1])
+    want = SamplingBatchInfo.from_schedule_batch(
+        Batch([Req(params[4]), Req(params[1])]), VOCAB, pool, owned=True, deterministic=deterministic
+    )
+    for name in ("temperatures", "top_ps", "top_ks", "min_ps"):
+        assert torch.equal(getattr(empty, name), getattr(want, name)), name
+    empty.filter_batch([])
+    assert len(empty) == 0 and empty.logit_bias is None and empty.top_ps.shape == (0,)
+
+
+def test_device_errors() -> None:
+    """Catches a batch staged for one device into a pool of another."""
+    pool = make_pool()
     with pytest.raises(ValueError, match="pool's device"):
         SamplingBatchInfo.from_schedule_batch(Batch([Req(SamplingParams())], torch.device("meta")), VOCAB, pool)
 

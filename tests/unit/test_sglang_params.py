@@ -3,8 +3,10 @@ packed once, and refused with a typed error when bad."""
 
 from __future__ import annotations
 
+import gc
 import random
-from typing import Any
+import weakref
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -12,7 +14,6 @@ import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings
 from sampling import SamplingBatchInfo, SamplingParamError, SamplingParams, sglang_params
-from sampling.sglang_params import ForeignParamsCache
 from sampling.sglang_ref import SglangBatch, SglangParams, SglangReq, load, rebuild
 from tests.fakes import Batch, Req
 
@@ -97,30 +98,41 @@ def test_values_equal_sglangs_own_build(bs: int) -> None:
         assert_same(ours, build(batch, VOCAB))
 
 
-def test_each_params_object_is_packed_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Catches sglang-named params repacked on every build (per-step host work) instead of cached."""
-    cache = ForeignParamsCache(limit=8)
-    monkeypatch.setattr(sglang_params, "FOREIGN_PARAMS", cache)
-    monkeypatch.setattr("sampling.batch_info.FOREIGN_PARAMS", cache)
-    packed: list[int] = []
-    real = sglang_params.pack_foreign
-    monkeypatch.setattr(
-        sglang_params, "pack_foreign", lambda objs, out=None: packed.append(len(objs)) or real(objs, out)
-    )
-    shared = Raw(top_p=0.5)
-    reqs = [Req(shared), Req(Raw(temperature=0.0)), Req(shared)]  # type: ignore[arg-type]
-    pool = make_pool()
-    for _ in range(3):
-        SamplingBatchInfo.from_schedule_batch(Batch(reqs), VOCAB, pool)
-    assert packed == [2]  # two distinct objects, packed on the first build only
-    reqs.append(Req(Raw(top_k=3)))  # type: ignore[arg-type]
-    SamplingBatchInfo.from_schedule_batch(Batch(reqs), VOCAB, pool)
-    assert packed == [2, 1]
-    many = [Req(Raw()) for _ in range(9)]  # type: ignore[arg-type]
-    SamplingBatchInfo.from_schedule_batch(Batch(many), VOCAB, pool)
-    assert len(cache) == 9  # over its bound, the table starts afresh with the batch at hand
-    SamplingBatchInfo.from_schedule_batch(Batch(reqs), VOCAB, pool)
-    assert packed[-1] == 3 and len(cache) == 3  # and again: never more than the bound, or one batch
+class Counted:
+    """sglang-named params that count every attribute read."""
+
+    reads: ClassVar[dict[str, int]] = {}
+
+    def __init__(self, raw: Raw) -> None:
+        object.__setattr__(self, "_raw", raw)
+
+    def __getattr__(self, name: str) -> Any:
+        Counted.reads[name] = Counted.reads.get(name, 0) + 1
+        return getattr(object.__getattribute__(self, "_raw"), name)
+
+
+@pytest.mark.parametrize("bs", [3, sglang_params.SMALL_BATCH + 1, 1000])
+def test_a_first_sight_build_reads_each_field_once_per_request(bs: int) -> None:
+    """Catches a build that reads a request's fields more than once (a per-request Python pass per
+    check, or a per-object cache probing the object) instead of one vectorised pass per field."""
+    rng = random.Random(bs)
+    objs = [Counted(pair(rng)[0]) for _ in range(bs)]
+    Counted.reads.clear()
+    SamplingBatchInfo.from_schedule_batch(Batch([Req(o) for o in objs]), VOCAB, make_pool())  # type: ignore[misc]
+    assert Counted.reads == {f: bs for f in ("temperature", "top_p", "top_k", "min_p", "sampling_seed", "logit_bias")}
+
+
+def test_a_build_keeps_nothing_of_the_objects_it_read() -> None:
+    """Catches a build that keeps request objects alive (a cache by object) after it returns: sglang's
+    requests are new at every prefill, so anything kept is memory spent for no later hit."""
+    rng = random.Random(11)
+    raws = [pair(rng)[0] for _ in range(40)]
+    refs = [weakref.ref(r) for r in raws]
+    info = SamplingBatchInfo.from_schedule_batch(Batch([Req(r) for r in raws]), VOCAB, make_pool())  # type: ignore[misc]
+    del raws
+    gc.collect()
+    assert [r() for r in refs] == [None] * 40
+    assert len(info) == 40
 
 
 def test_mixed_native_and_sglang_requests_in_one_batch() -> None:
@@ -179,14 +191,12 @@ def test_none_means_sglangs_default() -> None:
 )
 @pytest.mark.parametrize("bs", [2, sglang_params.SMALL_BATCH + 5])
 def test_bad_sglang_values_raise_and_nothing_is_staged_or_cached(kw: dict[str, Any], message: str, bs: int) -> None:
-    """Catches a bad value reaching the device, half a batch cached before the error, or the
-    small-batch and numpy packers applying different rules."""
-    cache = ForeignParamsCache()
+    """Catches a bad value reaching the device, or the small-batch and numpy packers applying
+    different rules."""
     objs = [Raw(), Raw(**kw)] + [Raw() for _ in range(bs - 2)]
     with pytest.raises(SamplingParamError) as info:
-        cache.records(objs)
+        sglang_params.pack_foreign(objs)
     assert message in str(info.value)
-    assert len(cache) == 0
     pool = make_pool()
     with pytest.raises(SamplingParamError):
         SamplingBatchInfo.from_schedule_batch(Batch([Req(o) for o in objs]), VOCAB, pool)  # type: ignore[arg-type]
@@ -213,4 +223,4 @@ def test_an_object_without_sglangs_fields_is_named() -> None:
         temperature = 1.0
 
     with pytest.raises(SamplingParamError, match="must carry sglang's field 'top_p'"):
-        ForeignParamsCache().records([Half()])
+        sglang_params.pack_foreign([Half()])
