@@ -139,7 +139,7 @@ class SamplingBatchInfo:
         bs = len(reqs)
         if bs == 0:  # sglang's idle batch (ScheduleBatch.prepare_for_idle) builds from no requests
             return cls._empty(pool, vocab_size, deterministic)
-        joined, bias_of = _gather_records(reqs)
+        joined, bias_of = _gather_records(reqs, deterministic)
         host_records = joined if isinstance(joined, np.ndarray) else np.frombuffer(joined, RECORD_DTYPE)
         flags = host_records["flags"]
         any_flags = int(np.bitwise_or.reduce(flags))
@@ -276,7 +276,7 @@ class SamplingBatchInfo:
             sparse = SparseLogitBias.land(self.pool, block)
         selected = columns.select(self.columns, bs, keep_indices_device)
         self.columns = selected
-        self.host_records = self.host_records[keep]
+        self.host_records = self.host_records.take(keep)  # take: a fifth of fancy indexing's cost on records
         self.sparse_logit_bias = sparse
         self.lease = None
         self._derive()
@@ -389,9 +389,9 @@ class SamplingBatchInfo:
         self.need_min_p_sampling = bool(any_bits & FLAG_MIN_P)
 
 
-def _gather_records(reqs: Sequence[RequestLike]) -> tuple[bytes | np.ndarray[Any, Any], BiasOf]:
+def _gather_records(reqs: Sequence[RequestLike], seeds: bool) -> tuple[bytes | np.ndarray[Any, Any], BiasOf]:
     """The requests' records (joined bytes, or a RECORD_DTYPE array), and where to find request i's
-    (token ids, values)."""
+    (token ids, values). ``seeds=False``: sglang-named params' seeds are left unread."""
     try:
         params = list(map(_PARAMS, reqs))
     except AttributeError:
@@ -406,7 +406,7 @@ def _gather_records(reqs: Sequence[RequestLike]) -> tuple[bytes | np.ndarray[Any
             pass
         else:
             return joined, lambda i: params[i].logit_bias
-    records, biases = pack_foreign(params)
+    records, biases = pack_foreign(params, seeds=seeds)
     return records, biases.get
 
 

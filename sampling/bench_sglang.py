@@ -21,6 +21,7 @@ import random
 import time
 from collections.abc import Callable
 from functools import partial
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -177,6 +178,41 @@ def edit_rows(
     return rows
 
 
+def phase_rows(
+    ctx: BenchContext, pool: PinnedRingBuffer, sg_build: Any, make: Callable[..., Any]
+) -> list[tuple[Any, ...]]:
+    """Where a first-sight build's host time goes, deterministic mode, no bias: the attribute reads
+    alone (the Python floor: one pass for ``sampling_params``, one per field), the packer (reads,
+    checks, normalisation, records), the ring build (+ stage, columns, copy, the info object) and
+    the owned build (+ the device allocation)."""
+    rows = []
+    build = SamplingBatchInfo.from_schedule_batch
+    getters = [sglang_params._GET[f] for f in sglang_params._FIELDS]
+    to_params = attrgetter("sampling_params")
+    set_deterministic(True)
+    for bs in SIZES:
+        ctx.progress(f"sglang sampling phases bs={bs}")
+        pick = fresh_batches(make, bs, ctx.device, False, seed=bs).__getitem__
+
+        def reads(i: int, pick: Any = pick) -> Any:
+            params = list(map(to_params, pick(i % COPIES).reqs))
+            return [list(map(g, params)) for g in getters]
+
+        spans = timed(
+            ctx,
+            [
+                lambda i, pick=pick: sg_build(pick(i % COPIES), VOCAB),
+                reads,
+                lambda i, pick=pick: sglang_params.pack_foreign(list(map(to_params, pick(i % COPIES).reqs))),
+                lambda i, pick=pick: build(pick(i % COPIES), VOCAB, pool, deterministic=True),
+                lambda i, pick=pick: build(pick(i % COPIES), VOCAB, pool, owned=True, deterministic=True),
+            ],
+        )
+        sg, rd, pk, rg, ow = (x.median for x in spans)
+        rows.append((bs, sg, rd, pk - rd, rg - pk, ow - rg, rg, ow, sg / rd))
+    return rows
+
+
 def packer_rows(ctx: BenchContext, make: Callable[..., Any]) -> list[tuple[Any, ...]]:
     """The small-batch packer against the vectorised one, same objects, same run (the fast path's A/B)."""
     rows = []
@@ -259,6 +295,18 @@ def workload(ctx: BenchContext) -> list[Table]:
                 ),
             )
         )
+    tables.append(
+        Table(
+            "sampling: first-sight build by phase, host µs (deterministic, no bias; medians)",
+            ("bs", "sglang", "reads", "checks+pack", "stage+copy", "allocation", "ring", "owned", "sglang/reads"),
+            tuple(phase_rows(ctx, pool, sg_build, make)),
+            (
+                "reads: the attribute reads alone (one pass for sampling_params, one per field): no build can "
+                "read less; sglang/reads is the most any build could gain over sglang",
+                "checks+pack = packer - reads; stage+copy = ring build - packer; allocation = owned - ring",
+            ),
+        )
+    )
     tables.append(
         Table(
             "sampling: small-batch packer A/B (the fast path below SMALL_BATCH against the vectorised packer)",

@@ -58,6 +58,7 @@ from sampling.params import (
 Bias = tuple[tuple[int, ...], tuple[float, ...]]
 _DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "sampling_seed": DEFAULT_SEED}
 _FIELDS = (*_DEFAULTS, "logit_bias")
+_FIELDS_NO_SEED = tuple(f for f in _FIELDS if f != "sampling_seed")
 _GET = {name: attrgetter(name) for name in _FIELDS}
 #: Element types the fast conversion takes as they are; anything else is checked one by one.
 _FLOAT_KINDS = frozenset({float, int})
@@ -83,6 +84,10 @@ _RECORD = struct.Struct("<ffifqHHi")  # RECORD_DTYPE's layout, field for field
 # The vectorised packer packs the four flags below as bits 0-3 of one byte.
 assert (FLAG_GREEDY, FLAG_TOP_P, FLAG_TOP_K, FLAG_MIN_P) == (1, 2, 4, 8)
 _F32 = struct.Struct("<f")
+
+
+def _fields(seeds: bool) -> tuple[str, ...]:
+    return _FIELDS if seeds else _FIELDS_NO_SEED
 
 
 def _missing_field(objs: Sequence[Any], name: str) -> SamplingParamError:
@@ -180,7 +185,9 @@ def _biases(raw: list[Any]) -> dict[int, Bias]:
     return out
 
 
-def _pack_small(objs: Sequence[Any], out: np.ndarray[Any, Any] | None) -> tuple[np.ndarray[Any, Any], dict[int, Bias]]:
+def _pack_small(
+    objs: Sequence[Any], out: np.ndarray[Any, Any] | None, seeds: bool = True
+) -> tuple[np.ndarray[Any, Any], dict[int, Bias]]:
     """``pack_foreign`` for a few objects (or a batch mixing pinpool's own ``SamplingParams`` with
     sglang-named ones), with the same rules and messages, in plain Python."""
     records, biases = [], {}
@@ -191,9 +198,9 @@ def _pack_small(objs: Sequence[Any], out: np.ndarray[Any, Any] | None) -> tuple[
                 biases[i] = o.logit_bias
             continue
         try:
-            raw = (o.temperature, o.top_p, o.top_k, o.min_p, o.sampling_seed, o.logit_bias)
+            raw = (o.temperature, o.top_p, o.top_k, o.min_p, o.sampling_seed if seeds else None, o.logit_bias)
         except AttributeError:
-            raise _missing_field(objs, next(f for f in _FIELDS if not hasattr(o, f))) from None
+            raise _missing_field(objs, next(f for f in _fields(seeds) if not hasattr(o, f))) from None
         temp = _scalar(i, "temperature", raw[0], False)
         top_p = _scalar(i, "top_p", raw[1], False)
         top_k = _scalar(i, "top_k", raw[2], True)
@@ -242,15 +249,20 @@ def _first_bad_float(floats: np.ndarray[Any, Any]) -> SamplingParamError:
 
 
 def _pack_vectorised(
-    objs: Sequence[Any], out: np.ndarray[Any, Any] | None
+    objs: Sequence[Any], out: np.ndarray[Any, Any] | None, seeds: bool = True
 ) -> tuple[np.ndarray[Any, Any], dict[int, Bias]]:
     n = len(objs)
+    fields = _fields(seeds)
     try:
-        temp_l, top_p_l, top_k_l, min_p_l, seed_l, bias_l = [list(map(_GET[f], objs)) for f in _FIELDS]
+        columns = [list(map(_GET[f], objs)) for f in fields]
     except AttributeError:
         if any(type(o) is SamplingParams for o in objs):  # mixed with native requests: one by one
-            return _pack_small(objs, out)
-        raise _missing_field(objs, next(f for f in _FIELDS if not all(hasattr(o, f) for o in objs))) from None
+            return _pack_small(objs, out, seeds)
+        raise _missing_field(objs, next(f for f in fields if not all(hasattr(o, f) for o in objs))) from None
+    if seeds:
+        temp_l, top_p_l, top_k_l, min_p_l, seed_l, bias_l = columns
+    else:
+        (temp_l, top_p_l, top_k_l, min_p_l, bias_l), seed_l = columns, [DEFAULT_SEED] * n
     floats = _floats([temp_l, top_p_l, min_p_l])  # writable: it owns its memory or views array.array's
     ints = _ints(top_k_l, seed_l)
     if not ((floats >= _LO) & (floats <= _HI)).all():
@@ -291,17 +303,19 @@ def _pack_vectorised(
 
 
 def pack_foreign(
-    objs: Sequence[Any], out: np.ndarray[Any, Any] | None = None
+    objs: Sequence[Any], out: np.ndarray[Any, Any] | None = None, *, seeds: bool = True
 ) -> tuple[np.ndarray[Any, Any], dict[int, Bias]]:
     """Validate, normalise and pack sglang-named params: (RECORD_DTYPE [n] records, {index: bias}).
 
     ``out``: where to write the records (RECORD_DTYPE [n]; a fresh array by default).
+    ``seeds=False``: leave ``sampling_seed`` unread and store the default seed, for a batch
+    that samples without seeds (sglang reads them only under deterministic inference).
     Raises ``SamplingParamError`` naming the field, the request and the value, before
     anything is written.
     """
     if len(objs) <= SMALL_BATCH:
         try:
-            return _pack_small(objs, out)
+            return _pack_small(objs, out, seeds)
         except OverflowError:  # a float beyond float32 (or a seed beyond int64): the checked path says which
             pass
-    return _pack_vectorised(objs, out)
+    return _pack_vectorised(objs, out, seeds)

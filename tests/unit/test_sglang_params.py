@@ -111,15 +111,23 @@ class Counted:
         return getattr(object.__getattribute__(self, "_raw"), name)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("bs", [3, sglang_params.SMALL_BATCH + 1, 1000])
-def test_a_first_sight_build_reads_each_field_once_per_request(bs: int) -> None:
+def test_a_first_sight_build_reads_each_field_once_per_request(bs: int, deterministic: bool) -> None:
     """Catches a build that reads a request's fields more than once (a per-request Python pass per
-    check, or a per-object cache probing the object) instead of one vectorised pass per field."""
+    check, or a per-object cache probing the object) instead of one vectorised pass per field, or
+    that reads the seeds of a batch that samples without them."""
     rng = random.Random(bs)
-    objs = [Counted(pair(rng)[0]) for _ in range(bs)]
+    raws = [pair(rng)[0] for _ in range(bs)]
+    objs = [Counted(r) for r in raws]
     Counted.reads.clear()
-    SamplingBatchInfo.from_schedule_batch(Batch([Req(o) for o in objs]), VOCAB, make_pool())  # type: ignore[misc]
-    assert Counted.reads == {f: bs for f in ("temperature", "top_p", "top_k", "min_p", "sampling_seed", "logit_bias")}
+    pool = make_pool()
+    got = SamplingBatchInfo.from_schedule_batch(Batch([Req(o) for o in objs]), VOCAB, pool, deterministic=deterministic)  # type: ignore[misc]
+    fields = ("temperature", "top_p", "top_k", "min_p", "logit_bias") + (("sampling_seed",) if deterministic else ())
+    assert Counted.reads == dict.fromkeys(fields, bs)
+    want = SamplingBatchInfo.from_schedule_batch(Batch([Req(r) for r in raws]), VOCAB, pool, deterministic=True)  # type: ignore[misc]
+    for name in ("temperatures", "top_ps", "top_ks", "min_ps"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
 def test_a_build_keeps_nothing_of_the_objects_it_read() -> None:
@@ -199,7 +207,7 @@ def test_bad_sglang_values_raise_and_nothing_is_staged_or_cached(kw: dict[str, A
     assert message in str(info.value)
     pool = make_pool()
     with pytest.raises(SamplingParamError):
-        SamplingBatchInfo.from_schedule_batch(Batch([Req(o) for o in objs]), VOCAB, pool)  # type: ignore[arg-type]
+        SamplingBatchInfo.from_schedule_batch(Batch([Req(o) for o in objs]), VOCAB, pool, deterministic=True)  # type: ignore[arg-type]
     assert pool.stats().copies == 0
 
 
