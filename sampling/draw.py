@@ -250,7 +250,7 @@ def _draw_sorted_kernel(
         # Non-finite inputs flag the row (module doc); the padding lanes load 0.0.
         poisoned = tl.maximum(poisoned, tl.max(tl.where(tl.abs(p) < float("inf"), 0, 1), 0))
         # As exponential_from_bits, op for op: v from the top NOISE_BITS = 63 bits, then the
-        # compensated -log(1 - v) (no FMA can form: no product feeds an add).
+        # compensated -log(1 - v); no product of ours feeds an add, so no FMA forms where torch rounds twice.
         bits = _shr_tl(_mix_tl(key + token * 0x2545F4914F6CDD1D), 1)
         v = tl.minimum((bits.to(tl.float32) + 0.5) * 1.0842021724855044e-19, 0.9999999403953552)
         u = 1.0 - v

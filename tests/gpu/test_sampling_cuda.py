@@ -179,9 +179,9 @@ def test_compiled_kernel_matches_the_reference_on_heavy_tailed_rows() -> None:
 @pytest.mark.parametrize("gap", [18.0, 21.0, 30.0])
 def test_seeded_draw_samples_a_heavy_tail_at_its_probability_over_200k_draws(gap: float) -> None:
     """Catches a seeded draw whose tail share is off at full count (the CPU test's device twin):
-    one token `gap` nats above 200,000 others, 200,000 draws of the compiled kernel. At 18 nats the
-    23-bit noise drew about three quarters of the tail (the issue measured 181 of 242), at 21 nats none (about
-    30 expected); at 30 nats the tail is expected 0.004 times, so any hit is noise out of bounds."""
+    one token `gap` nats above each of 200,000 others, 200,000 draws of the compiled kernel. The
+    23-bit noise this replaces drew 93 tail tokens of 607 expected at 18 nats and none of 30 at
+    21; at 30 nats the tail is expected 0.004 times, so any hit is noise out of bounds."""
     draws = 200_000
     hits, expected = tail_hits(200_000, gap, draws, chunk=2_000, device=DEV, kernel=True)
     p = expected / draws
