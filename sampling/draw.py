@@ -7,6 +7,20 @@ draw is about thirty launches (scatter, the hash's shifts and multiplies, two lo
 argmax): on a decode step that is host time the GPU waits for. ``draw_reference`` is
 that torch path, kept for CPU tensors and as the kernel's oracle.
 
+Poisoned rows: **a row with any non-finite probability draws token 0**, in the kernel, the
+reference and the landing. Softmax makes a whole row NaN when a logit is NaN or +inf or
+every logit is -inf, so such a row has no distribution to sample; token 0 is a fixed,
+in-range answer that costs the healthy rows nothing (the sampler's other paths follow the
+same rule, ``sampling.sampler``). A row whose filters leave nothing (all-zero input) also
+draws token 0.
+
+Noise: 63 hash bits make ``v``, the complement of the uniform, in float32 (dense near 0,
+where the largest noise comes from); ``E = -log(1 - v)`` is taken with the rounding error
+of ``1 - v`` added back, and the Gumbel noise is ``-log(E)``. It reaches about 44 and
+follows the Gumbel tail to float32 precision up to there, so a token 30 nats below the
+top still wins at its probability. Built only from IEEE adds, multiplies and ``log``, the
+kernel and the reference compute the same values.
+
 Ties: both pick the smallest token id among equal scores. The two may still differ where
 a float sum lands within a rounding step of a top-p threshold below 1, because the
 kernel's running sum adds in a different order than torch's cumsum.
@@ -35,8 +49,12 @@ if TYPE_CHECKING:
     from sampling.sampler import SamplingTensors
 
 BLOCK = 1024
-UNIT_BITS = 23  # hash bits per uniform; see unit_from_bits
+NOISE_BITS = 63  # hash bits per noise value; see exponential_from_bits
+V_SCALE = 2.0**-NOISE_BITS  # a power of two: the scaling is exact in float32
+V_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
+POISONED_TOKEN = 0  # what a row with a non-finite probability draws (module doc)
 _NO_TOKEN = tl.constexpr(1 << 62)  # constexpr: a jit function may read only constexpr globals
+_POISONED_TOKEN = tl.constexpr(POISONED_TOKEN)
 
 # Odd 63-bit multipliers for the counter hash (int64 arithmetic wraps identically on
 # CPU and CUDA, so the noise is the same function on both).
@@ -60,22 +78,44 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """float32 [bs, vocab] in (0, 1): a pure function of (seed, position, token id)."""
+def hashed_bits(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int64 [bs, vocab] in [0, 2**63): a pure function of (seed, position, token id)."""
     key = _mix(seeds.to(torch.int64) * _SEED_MUL + positions.to(torch.int64) * _POS_MUL)
     tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * _TOKEN_MUL
-    return unit_from_bits(_shr(_mix(key[:, None] + tokens[None, :]), 64 - UNIT_BITS))
+    return _shr(_mix(key[:, None] + tokens[None, :]), 64 - NOISE_BITS)
 
 
-def unit_from_bits(bits: torch.Tensor) -> torch.Tensor:
-    """float32 (bits + 0.5) / 2**UNIT_BITS: strictly inside (0, 1), every value exact.
+def exponential_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """float32 Exp(1) draws ``E = -log(1 - v)`` from bits uniform in [0, 2**63).
 
-    With 24 bits the top value, 1 - 2**-25, rounds to 1.0 in float32; its Gumbel noise is
-    then infinite, and on a token the filters removed (log 0 = -inf) the score is NaN,
-    which argmax takes as the maximum: about one row in 500 at a 32k vocabulary drew a
-    filtered token. 23 bits keep the top value at 1 - 2**-24, which float32 holds.
+    The largest Gumbel noise, ``-log(E)``, comes from ``u = 1 - v`` near 1, where float32
+    has no resolution (a 23-bit uniform capped the noise at 16.6). So build ``v`` instead:
+    float32 is dense near 0, and ``(bits + 0.5) * 2**-63`` keeps about 24 significant bits
+    down to 2**-64, noise up to about 44. ``u = 1 - v`` then rounds, but its rounding
+    error ``(1 - u) - v`` is exact (``u`` lies in [0.5, 1], so ``1 - u`` is exact, and
+    the Fast2Sum error term is), and ``log(1 - v) = log(u) + ((1 - u) - v)`` up to a
+    relative error of about 2**-25: a compensated log1p without a division, whose
+    rounding Triton and torch share. ``v`` is capped below 1 (bits within 2**-25 of the
+    top round to 1.0, whose log is -inf); that moves a 2**-25 slice of the lowest noise
+    by a hundredth, which no draw can see.
     """
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << UNIT_BITS))
+    v = ((bits.to(torch.float32) + 0.5) * V_SCALE).clamp_(max=V_MAX)
+    u = 1.0 - v
+    return -(torch.log(u) + ((1.0 - u) - v))
+
+
+def hashed_gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float32 [bs, vocab]: the draw's Gumbel noise ``-log(E)``, finite, about -2.8 to 44."""
+    return -torch.log(exponential_from_bits(hashed_bits(seeds, positions, vocab_size)))
+
+
+def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float64 [bs, vocab]: the uniform ``u = exp(-E)`` behind ``hashed_gumbel``, for diagnostics.
+
+    ``-log(-log(u))`` gives the draw's noise to float64 precision; near ``u = 1`` (noise
+    above about 30) that precision runs out, so the draw itself never goes through ``u``.
+    """
+    return torch.exp(-exponential_from_bits(hashed_bits(seeds, positions, vocab_size)).double())
 
 
 def filter_sorted_probs(probs: torch.Tensor, info: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,9 +154,11 @@ def draw_reference(
     assert info.sampling_seed is not None
     kept = mask_sorted_probs(probs_sort, info)
     dense = torch.zeros_like(kept).scatter_(1, probs_idx, kept)
-    noise = hashed_uniform(info.sampling_seed, positions, info.vocab_size)
-    gumbel = -torch.log(-torch.log(noise))
-    return (torch.log(dense) + gumbel).argmax(dim=-1)
+    score = torch.log(dense) + hashed_gumbel(info.sampling_seed, positions, info.vocab_size)
+    # The kernel keeps only p > 0: NaN and negative inputs must not reach argmax (NaN wins it).
+    score = score.masked_fill_(~(dense > 0.0), float("-inf"))
+    poisoned = ~torch.isfinite(probs_sort).all(dim=-1)
+    return score.argmax(dim=-1).masked_fill_(poisoned, POISONED_TOKEN)
 
 
 @triton.jit
@@ -188,6 +230,7 @@ def _draw_sorted_kernel(
     carry = tl.zeros([BLOCK], tl.float32).sum(0)  # mass of the blocks before this one
     best_score = tl.full([BLOCK], float("-inf"), tl.float32).max(0)
     best_token = tl.full([BLOCK], _NO_TOKEN, tl.int64).min(0)
+    poisoned = tl.zeros([BLOCK], tl.int32).max(0)
     # A while-loop with a runtime bound: Triton 3.6's interpreter (CI) needs it that way.
     start = vocab * 0
     while start < vocab:
@@ -204,15 +247,23 @@ def _draw_sorted_kernel(
             keep = keep & (offs < top_k)
         if MIN_P:
             keep = keep & (p >= floor)
-        bits = _shr_tl(_mix_tl(key + token * 0x2545F4914F6CDD1D), 41)  # the top UNIT_BITS = 23 bits
-        u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as unit_from_bits: strictly inside (0, 1)
-        score = tl.where(keep, _log(tl.where(keep, p, 1.0)) - _log(-_log(u)), float("-inf"))
+        # Non-finite inputs flag the row (module doc); the padding lanes load 0.0.
+        poisoned = tl.maximum(poisoned, tl.max(tl.where(tl.abs(p) < float("inf"), 0, 1), 0))
+        # As exponential_from_bits, op for op: v from the top NOISE_BITS = 63 bits, then the
+        # compensated -log(1 - v); no product of ours feeds an add, so no FMA forms where torch rounds twice.
+        bits = _shr_tl(_mix_tl(key + token * 0x2545F4914F6CDD1D), 1)
+        v = tl.minimum((bits.to(tl.float32) + 0.5) * 1.0842021724855044e-19, 0.9999999403953552)
+        u = 1.0 - v
+        e = -(_log(u) + ((1.0 - u) - v))
+        score = tl.where(keep, _log(tl.where(keep, p, 1.0)) - _log(e), float("-inf"))
         block_best = tl.max(score, 0)
         block_token = tl.min(tl.where(keep & (score == block_best), token, _NO_TOKEN), 0)
         better = (block_best > best_score) | ((block_best == best_score) & (block_token < best_token))
         best_token = tl.where(better, block_token, best_token)
         best_score = tl.where(better, block_best, best_score)
         start += BLOCK
+    # Rule of the module doc: a poisoned row, or one whose filters left nothing, draws token 0.
+    best_token = tl.where((poisoned > 0) | (best_token == _NO_TOKEN), _POISONED_TOKEN, best_token)
     tl.store(out_ptr + row, best_token)
     if LAND:
         # A landing (``pinpool.Stage.land``): the token also goes straight into the step's

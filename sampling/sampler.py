@@ -6,6 +6,13 @@ the exponential race (argmax of p / Exp(1)), which needs no renormalisation and 
 ``multinomial`` (whose CUDA path can validate on the host). Deterministic sampling uses
 Gumbel-max with noise hashed from (seed, position, token id): a request's token depends
 only on its own seed, position and probabilities, never on its batch neighbours.
+
+Poisoned rows: every path returns token 0 for a row with no distribution, that is a NaN
+or +inf logit, or every logit -inf (after bias and temperature): the rule of
+``sampling.draw``, held here for the greedy and unseeded paths too. Each path checks one
+value per row that is non-finite exactly then (the greedy argmax's logit, where argmax
+takes NaN as the largest; the top sorted probability, as softmax makes such a row NaN), so
+healthy rows pay a [bs]-sized select, not another pass over the vocabulary.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import torch
 
 from pinpool.landing import land
 from sampling.batch_info import SamplingBatchInfo
-from sampling.draw import draw_reference, filter_sorted_probs, launch_draw_sorted
+from sampling.draw import POISONED_TOKEN, draw_reference, filter_sorted_probs, launch_draw_sorted
 from sampling.exceptions import BatchMismatchError
 
 
@@ -97,7 +104,8 @@ class Sampler:
         else:
             logits = logits.float()
         if info.is_all_greedy:
-            return _landed(logits.argmax(dim=-1), land_to)
+            top = logits.argmax(dim=-1, keepdim=True)
+            return _landed(_poisoned_to_token(top.squeeze(1), logits.gather(1, top).squeeze(1)), land_to)
         probs = torch.softmax(logits / info.temperatures, dim=-1)
         if info.sampling_seed is not None:
             assert positions is not None
@@ -108,7 +116,12 @@ class Sampler:
         probs_sort, probs_idx = filter_sorted_probs(probs, info)
         race = torch.empty_like(probs_sort).exponential_(generator=self.generator)
         rank = (probs_sort / race).argmax(dim=-1, keepdim=True)
-        return _landed(probs_idx.gather(1, rank).squeeze(1), land_to)
+        return _landed(_poisoned_to_token(probs_idx.gather(1, rank).squeeze(1), probs[:, 0]), land_to)
+
+
+def _poisoned_to_token(tokens: torch.Tensor, witness: torch.Tensor) -> torch.Tensor:
+    """``tokens`` with ``POISONED_TOKEN`` where the row's ``witness`` value is not finite (module doc)."""
+    return tokens.masked_fill_(~torch.isfinite(witness), POISONED_TOKEN)
 
 
 def _landed(tokens: torch.Tensor, land_to: torch.Tensor | None) -> torch.Tensor:

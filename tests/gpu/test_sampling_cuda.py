@@ -1,15 +1,21 @@
-"""Sampling on CUDA: one copy per build, no host sync through build, filter, merge and sampling."""
+"""Sampling on CUDA: one copy per build, no host sync through build, filter, merge and sampling;
+poisoned rows and the seeded draw's heavy tail on the compiled kernel."""
 
 from __future__ import annotations
 
+import math
 import random
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pinpool import PinnedRingBuffer, PoolSettings, no_sync
-from sampling import Sampler, SamplingBatchInfo
+from sampling import Sampler, SamplingBatchInfo, SamplingParams, draw_reference, launch_draw_sorted
+from sampling.draw import POISONED_TOKEN
 from tests.fakes import Batch, Req, random_params
+from tests.unit.test_draw_kernel import poisoned_probs
+from tests.unit.test_sampler_edges import SIGMAS, poisoned_logits, tail_hits, tail_info
 
 DEV = torch.device("cuda", 0)
 VOCAB = 1000
@@ -108,3 +114,77 @@ def test_sglang_style_bare_cuda_device_is_accepted() -> None:
     assert pool.device == torch.device("cuda", torch.cuda.current_device())
     info = SamplingBatchInfo.from_schedule_batch(Batch([Req(random_params(rng, VOCAB))], "cuda"), VOCAB, pool)  # type: ignore[arg-type]
     assert info.temperatures.device == pool.device
+
+
+@pytest.mark.parametrize("landed", [False, True], ids=["returned", "landed"])
+def test_compiled_kernel_draws_token_zero_for_poisoned_rows(landed: bool) -> None:
+    """Catches the compiled kernel's 'no token' placeholder (1 << 62) returned or landed for a row
+    whose probabilities are NaN or hold an inf, or compiled code that flags another row than the
+    interpreter does (the rule of sampling/draw.py, on the device and through a pinned landing)."""
+    vocab = 32_000
+    probs, poisoned = poisoned_probs(vocab)
+    bs = len(poisoned)
+    probs_sort, probs_idx = probs.to(DEV).sort(dim=-1, descending=True, stable=True)
+    info = tail_info(torch.arange(bs, dtype=torch.int64, device=DEV) * 7 + 1, vocab)
+    positions = torch.arange(bs, dtype=torch.int64, device=DEV)
+    want = draw_reference(probs_sort, probs_idx, info, positions).tolist()  # type: ignore[arg-type]
+    if landed:
+        pool = PinnedRingBuffer(PoolSettings(device=DEV, num_slots=3, zero_copy=True))
+        with pool.stage() as st:
+            land_to, landing = st.land(bs)
+            st.flush()
+            got = launch_draw_sorted(probs_sort, probs_idx, info, positions, land_to)  # type: ignore[arg-type]
+        assert landing.tolist() == got.tolist()
+    else:
+        got = launch_draw_sorted(probs_sort, probs_idx, info, positions)  # type: ignore[arg-type]
+    tokens = got.tolist()
+    assert all(0 <= t < vocab for t in tokens), tokens
+    assert [t for t, bad in zip(tokens, poisoned, strict=True) if bad] == [POISONED_TOKEN] * sum(poisoned)
+    assert tokens == want
+
+
+@pytest.mark.parametrize("path", ["greedy", "unseeded", "seeded"])
+def test_sampler_on_cuda_draws_token_zero_for_poisoned_rows(path: str) -> None:
+    """Catches a device path (argmax, the exponential race, the draw kernel) that returns an id past
+    the vocabulary or the poisoned logit's own id for a NaN, +inf or all -inf row."""
+    vocab = 32_000
+    logits, poisoned = poisoned_logits(vocab, DEV)
+    params = [SamplingParams(temperature=0.0 if path == "greedy" else 0.9, seed=None if path == "unseeded" else 3)] * 6
+    pool = PinnedRingBuffer(PoolSettings(device=DEV, num_slots=2, slot_bytes=1 << 20))
+    info = SamplingBatchInfo.from_schedule_batch(
+        Batch([Req(p) for p in params], DEV), vocab, pool, owned=True, deterministic=path == "seeded"
+    )
+    tokens = Sampler()(logits, info, torch.arange(6, device=DEV)).tolist()
+    assert all(0 <= t < vocab for t in tokens), tokens
+    assert [t for t, bad in zip(tokens, poisoned, strict=True) if bad] == [POISONED_TOKEN] * 4
+
+
+def test_compiled_kernel_matches_the_reference_on_heavy_tailed_rows() -> None:
+    """Catches compiled noise that differs from the reference's where the largest noise decides
+    (a fused multiply-add or a reordered compensation in the complement trick): rows whose head
+    sits 0 to 25 nats above a 32k tail must draw the same token, row for row."""
+    vocab, bs = 32_000, 256
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    logits = torch.randn(bs, vocab, device=DEV, generator=gen)
+    logits[:, 0] += torch.linspace(0.0, 25.0, bs, device=DEV)
+    probs_sort, probs_idx = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True, stable=True)
+    info = tail_info(torch.randint(0, 2**40, (bs,), device=DEV, generator=gen), vocab)
+    positions = torch.randint(0, 4096, (bs,), device=DEV, generator=gen)
+    want = draw_reference(probs_sort, probs_idx, info, positions)  # type: ignore[arg-type]
+    got = launch_draw_sorted(probs_sort, probs_idx, info, positions)  # type: ignore[arg-type]
+    assert got.tolist() == want.tolist()
+    assert int((want != 0).sum()) > 10  # the tail won some rows: the noise really decided
+
+
+@pytest.mark.parametrize("gap", [18.0, 21.0, 30.0])
+def test_seeded_draw_samples_a_heavy_tail_at_its_probability_over_200k_draws(gap: float) -> None:
+    """Catches a seeded draw whose tail share is off at full count (the CPU test's device twin):
+    one token `gap` nats above each of 200,000 others, 200,000 draws of the compiled kernel. The
+    23-bit noise this replaces drew 93 tail tokens of 607 expected at 18 nats and none of 30 at
+    21; at 30 nats the tail is expected 0.004 times, so any hit is noise out of bounds."""
+    draws = 200_000
+    hits, expected = tail_hits(200_000, gap, draws, chunk=2_000, device=DEV, kernel=True)
+    p = expected / draws
+    sigma = math.sqrt(draws * p * (1 - p))
+    print(f"gap {gap}: {hits} tail tokens, {expected:.2f} expected, z = {(hits - expected) / sigma:+.2f}")
+    assert abs(hits - expected) <= SIGMAS * sigma + 1e-9, (hits, expected)

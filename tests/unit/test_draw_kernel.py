@@ -10,7 +10,7 @@ import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings
 from sampling import BatchMismatchError, SamplingBatchInfo, SamplingParams, draw_reference, launch_draw_sorted
-from sampling.draw import BLOCK
+from sampling.draw import BLOCK, NOISE_BITS, POISONED_TOKEN, exponential_from_bits
 from sampling.sampler import _landed
 from tests.fakes import Batch, Req
 
@@ -140,11 +140,78 @@ def test_kernel_reads_strided_columns_and_positions() -> None:
     assert got.tolist() == want.tolist()
 
 
-def test_noise_stays_strictly_inside_zero_and_one_at_the_extremes() -> None:
-    """Catches a uniform that reaches 1.0 (infinite Gumbel noise; NaN on a filtered token)."""
-    from sampling.draw import UNIT_BITS, unit_from_bits
-
-    extremes = unit_from_bits(torch.tensor([0, (1 << UNIT_BITS) - 1], dtype=torch.int64))
-    assert extremes[0].item() > 0.0 and extremes[1].item() < 1.0
-    gumbel = -torch.log(-torch.log(extremes))
+def test_noise_stays_finite_at_the_extremes() -> None:
+    """Catches a noise value that is infinite (a uniform rounding to 1.0, or v to 1.0 or 0): on a
+    filtered token (log 0 = -inf) the score is then NaN, which argmax takes as the maximum."""
+    top = (1 << NOISE_BITS) - 1
+    bits = torch.tensor([0, 1, 2**40, 2**62, top - 2**38, top - 1, top], dtype=torch.int64)
+    e = exponential_from_bits(bits)
+    assert (e > 0).all() and torch.isfinite(e).all()
+    gumbel = -torch.log(e)
     assert torch.isfinite(gumbel).all()
+    assert gumbel[0].item() > 44.0  # the widest noise: v = 2**-64
+
+
+def test_kernel_draws_the_reference_token_on_heavy_tailed_rows() -> None:
+    """Catches a kernel whose noise differs from the reference's where it matters most: on rows
+    with a dominant token the winner is decided by the largest noise values (v near 0), where a
+    fused multiply-add, a dropped compensation term or another rounding of the bits shows."""
+    gen = torch.Generator().manual_seed(11)
+    rng = random.Random(11)
+    info = batch(rng, 48, 600, "")
+    logits = torch.randn(48, 600, generator=gen)
+    logits[:, 0] += torch.linspace(0.0, 14.0, 48)  # head 0 to 14 nats above a 600-token tail
+    probs = torch.softmax(logits, dim=-1)
+    probs_sort, probs_idx = probs.sort(dim=-1, descending=True, stable=True)
+    positions = torch.tensor([rng.randrange(4096) for _ in range(48)], dtype=torch.int64)
+    want = draw_reference(probs_sort, probs_idx, info, positions)
+    got = launch_draw_sorted(probs_sort, probs_idx, info, positions)
+    assert got.tolist() == want.tolist()
+    assert len(set(want.tolist())) > 5  # the tail won some rows: the noise really decided
+
+
+def poisoned_probs(vocab: int) -> tuple[torch.Tensor, list[bool]]:
+    """Rows of sorted probabilities: softmax of healthy, NaN, +inf and all -inf logits, then the
+    rows a direct caller could pass (one NaN, +inf, -inf or zero-only probabilities)."""
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab)) * 2.0
+    logits[1, 7] = float("nan")
+    logits[2, 7] = float("inf")
+    logits[3] = float("-inf")
+    softmaxed = torch.softmax(logits, dim=-1)
+    direct = softmaxed[[0, 0, 0, 4, 0]].clone()
+    direct[0, 9] = float("nan")
+    direct[1, 9] = float("inf")
+    direct[2, vocab - 1] = float("-inf")
+    direct[3] = 0.0
+    return torch.cat([softmaxed, direct]), [False, True, True, True, False, True, True, True, True, False]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's NaN arithmetic
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["draw-kernel", "reference"])
+@pytest.mark.parametrize("landed", [False, True], ids=["returned", "landed"])
+@pytest.mark.parametrize("flags", ["", "pkm"])
+def test_poisoned_rows_draw_token_zero_in_the_kernel_the_reference_and_the_landing(
+    use_kernel: bool, landed: bool, flags: str
+) -> None:
+    """Catches the kernel's 'no token' placeholder (1 << 62) returned or landed for a row whose
+    probabilities are NaN (a NaN or +inf logit, all -inf logits) or hold an inf, or a kernel and a
+    reference that answer such rows differently: both must draw token 0 (sampling/draw.py's rule)."""
+    vocab = 2 * BLOCK + 5  # several blocks: a poison in a later block must still flag the row
+    probs, poisoned = poisoned_probs(vocab)
+    bs = len(poisoned)
+    info = batch(random.Random(6), bs, vocab, flags)
+    probs_sort, probs_idx = probs.sort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(bs, dtype=torch.int64)
+    host = torch.full((bs,), -1, dtype=torch.int64)
+    land_to = torch.tensor([host.data_ptr() + 8 * i for i in range(bs)]) if landed else None
+    if use_kernel:
+        got = launch_draw_sorted(probs_sort, probs_idx, info, positions, land_to)
+    else:
+        got = _landed(draw_reference(probs_sort, probs_idx, info, positions), land_to)
+    tokens = got.tolist()
+    assert all(0 <= t < vocab for t in tokens), tokens
+    assert [t for t, bad in zip(tokens, poisoned, strict=True) if bad] == [POISONED_TOKEN] * sum(poisoned)
+    assert tokens == draw_reference(probs_sort, probs_idx, info, positions).tolist()
+    assert tokens[0] != POISONED_TOKEN or tokens[4] != POISONED_TOKEN  # healthy rows really drew
+    if landed:
+        assert host.tolist() == tokens
