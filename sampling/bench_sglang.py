@@ -83,8 +83,9 @@ def equal(ours: SamplingBatchInfo, theirs: Any) -> bool:
     return all(getattr(ours, f) == getattr(theirs, f) for f in flags) and ours.max_top_k == theirs.max_top_k
 
 
-def timed(ctx: BenchContext, calls: list[Callable[[int], Any]], n: int = CALLS) -> list[Spread]:
+def timed(ctx: BenchContext, calls: list[Callable[[int], Any]], n: int | None = None) -> list[Spread]:
     """Host µs of each of ``calls`` (called with the call's index), interleaved: median (p10-p90) over ``n``."""
+    n = _calls(ctx) if n is None else n
     samples: list[list[float]] = [[] for _ in calls]
     for i in range(-3, n):  # three untimed laps warm every path
         for fn, out in zip(calls, samples, strict=True):
@@ -95,6 +96,16 @@ def timed(ctx: BenchContext, calls: list[Callable[[int], Any]], n: int = CALLS) 
             if i >= 0:
                 out.append(took)
     return [_spread(s) for s in samples]
+
+
+def _calls(ctx: BenchContext) -> int:
+    """Calls per row: the issue's count on a GPU; a CPU run (CI's smoke test) takes ``--iters``."""
+    return CALLS if ctx.is_cuda else ctx.iters
+
+
+def _sizes(ctx: BenchContext) -> tuple[int, ...]:
+    """The issue's sizes on a GPU; a CPU run takes ``--batch-sizes``."""
+    return SIZES if ctx.is_cuda else tuple(ctx.batch_sizes)
 
 
 def _spread(samples: list[float]) -> Spread:
@@ -114,7 +125,7 @@ def build_rows(
     build = SamplingBatchInfo.from_schedule_batch
     for deterministic in (False, True):
         set_deterministic(deterministic)
-        for bs in SIZES:
+        for bs in _sizes(ctx):
             ctx.progress(f"sglang sampling build bs={bs} bias={bias} deterministic={deterministic}")
             batches = fresh_batches(make, bs, ctx.device, bias, seed=bs)
             pick = batches.__getitem__
@@ -143,14 +154,14 @@ def edit_rows(
     batches, sglang's against pinpool's owned ones; both get the same device keep indices."""
     rows = []
     build = SamplingBatchInfo.from_schedule_batch
-    for bs in SIZES[1:]:
+    for bs in [bs for bs in _sizes(ctx) if bs > 1]:
         ctx.progress(f"sglang sampling filter/merge bs={bs}")
         batch = fresh_batches(make, bs, ctx.device, bias=False, seed=bs)[0]
         joining = SglangBatch([SglangReq(p) for p in make_params(make, JOINING, False, seed=bs + 1)], ctx.device)
         done = random.Random(bs).randrange(bs)
         keep = [i for i in range(bs) if i != done]
         keep_device = torch.tensor(keep, dtype=torch.int64, device=ctx.device)
-        n = CALLS
+        n = _calls(ctx)
         # Each call edits a batch in place: one fresh pair per call, built before the timing.
         sg_f = [sg_build(batch, VOCAB) for _ in range(n + 3)]
         pp_f = [build(batch, VOCAB, pool, owned=True, deterministic=True) for _ in range(n + 3)]
@@ -190,7 +201,7 @@ def phase_rows(
     getters = [sglang_params._GET[f] for f in sglang_params._FIELDS]
     to_params = attrgetter("sampling_params")
     set_deterministic(True)
-    for bs in SIZES:
+    for bs in _sizes(ctx):
         ctx.progress(f"sglang sampling phases bs={bs}")
         pick = fresh_batches(make, bs, ctx.device, False, seed=bs).__getitem__
 
@@ -234,7 +245,7 @@ def bias_device_table(ctx: BenchContext, pool: PinnedRingBuffer, sg_build: Any, 
     from triton.testing import do_bench
 
     rows = []
-    for bs in SIZES:
+    for bs in _sizes(ctx):
         batch = fresh_batches(make, bs, ctx.device, bias=True, seed=bs)[0]
         info = SamplingBatchInfo.from_schedule_batch(batch, VOCAB, pool, owned=True)
         dense = sg_build(batch, VOCAB).logit_bias
@@ -257,7 +268,7 @@ def workload(ctx: BenchContext) -> list[Table]:
     common = (
         f"sglang side: {source}",
         f"requests: {params_source}; about 30% of seeds None; new objects every call ({COPIES} sets in turn)",
-        f"host µs per call, median (p10-p90) of {CALLS} calls, device drained before each; sglang's and "
+        f"host µs per call, median (p10-p90) of {_calls(ctx)} calls, device drained before each; sglang's and "
         "pinpool's calls alternate; x = sglang µs / pinpool µs",
         "ring: from_schedule_batch (tensors in a ring slot, live for the ring's claims); owned: owned=True "
         "(one device allocation and one copy, for a batch that lives across decode steps, as sglang's does)",
