@@ -117,32 +117,46 @@ def _no_launches(write: Any) -> Iterator[None]:
     """On CPU: both sides' kernel launches replaced by no-ops, restored on exit."""
     names = [n for n in ("write_req_to_token_pool_triton", "_rebuilt_kernel") if n in write.__globals__]
     saved = [(n, write.__globals__[n]) for n in names]
-    ours = write_cache.launch_checked
+    ours = vars(write_cache)["launch_checked"]
     try:
         for n in names:
             write.__globals__[n] = _NoLaunch()
-        write_cache.launch_checked = lambda *args, **kwargs: None  # type: ignore[assignment]
+        setattr(write_cache, "launch_checked", lambda *args, **kwargs: None)  # noqa: B010 (not a name mypy knows)
         yield
     finally:
-        write_cache.launch_checked = ours  # type: ignore[assignment]
+        setattr(write_cache, "launch_checked", ours)  # noqa: B010
         for n, kernel in saved:
             write.__globals__[n] = kernel
 
 
 def per_call_us(
-    ctx: BenchContext, sides: dict[str, Callable[[Prefixes], None]], prefixes: Callable[[str], Prefixes]
+    ctx: BenchContext,
+    sides: dict[str, Callable[[Prefixes], None]],
+    prefixes: Callable[[], Prefixes],
+    release: str | None = None,
 ) -> dict[str, list[float]]:
     """Host µs of each of ``CALLS`` calls per side, the sides alternating call by call (and which goes
-    first), each call given ``prefixes(side)`` made before its clock starts, on an idle device."""
+    first), each call given ``prefixes()`` made before its clock starts, on an idle device.
+
+    Every list is kept until the last call (its release timed by neither side), except where
+    ``release`` names the side whose timed call ends by dropping it, as sglang's
+    ``alloc_for_extend`` drops its list on return; the other side's list is dropped untimed.
+    """
     samples: dict[str, list[float]] = {name: [] for name in sides}
+    held = []
     order = list(sides.items())
     for j in range(WARMUP + CALLS):
         for name, fn in order if j % 2 else order[::-1]:
-            given = prefixes(name)
+            given = prefixes()
             ctx.synchronize()
             start = time.perf_counter_ns()
             fn(given)
+            if name == release:
+                given.clear()
             stop = time.perf_counter_ns()
+            if release is None:
+                held.append(given)
+            del given
             if j >= WARMUP:
                 samples[name].append((stop - start) / 1e3)
     return samples
@@ -218,16 +232,31 @@ def _rows(ctx: BenchContext, write: Any, source: str) -> list[Table]:
             "sglang": partial(_theirs, write, case, ref),
             "pool": partial(_ours, case, mine, pool),
         }
-        warm = {name: fresh_prefixes(case) for name in sides}
+        warm = fresh_prefixes(case)
+        new = partial(fresh_prefixes, case)
         with _no_launches(write) if not ctx.is_cuda else _nothing():
-            fresh = per_call_us(ctx, sides, lambda name, case=case: fresh_prefixes(case))
-            kept = per_call_us(ctx, sides, warm.__getitem__)
+            fresh = per_call_us(ctx, sides, new)
+            freed = per_call_us(ctx, sides, new, release="sglang")
+            kept = per_call_us(ctx, sides, partial(list, warm))  # a new list, the same tensors
         same = _same(ctx, case, mine, ref)
         k_theirs, k_ours = _kernel_us(ctx, write, case, ref) if ctx.is_cuda else (None, None)
         theirs, ours = _spread(fresh["sglang"]), _spread(fresh["pool"])
+        theirs_r, ours_r = _spread(freed["sglang"]), _spread(freed["pool"])
         theirs_w, ours_w = _spread(kept["sglang"]), _spread(kept["pool"])
         rows.append(
-            (bs, theirs, ours, _x(theirs, ours), theirs_w, ours_w, _x(theirs_w, ours_w), k_theirs, k_ours, same)
+            (
+                bs,
+                theirs,
+                ours,
+                _x(theirs, ours),
+                _x(theirs_r, ours_r),
+                theirs_w,
+                ours_w,
+                _x(theirs_w, ours_w),
+                k_theirs,
+                k_ours,
+                same,
+            )
         )
     stats = pool.stats()
     pool.close()
@@ -238,6 +267,10 @@ def _rows(ctx: BenchContext, write: Any, source: str) -> list[Table]:
         "fresh: every call gets prefix tensors never seen before, made just before it (outside the timed "
         "region) as sglang's radix cache makes them: torch.cat of 1-3 node tensors sliced to prefix_len, "
         "sglang's shared empty CPU tensor for no prefix; half the requests have a 1-64 token prefix",
+        "fresh: every list is kept alive until the row ends, so neither side's figure holds the tensors' "
+        "release; x released: each list dropped as its owner drops it, sglang's inside its timed call (its "
+        "alloc_for_extend drops the list on return), the pool's retained by its ring and released when a "
+        "later timed call reclaims the slot",
         "warm: the same prefix tensor objects on every call (sglang's scheduler never does this)",
         f"pool made {stats.copies} copies, {stats.stalls} stalls",
     ]
@@ -253,6 +286,7 @@ def _rows(ctx: BenchContext, write: Any, source: str) -> list[Table]:
         "sglang fresh µs",
         "pool fresh µs",
         "x fresh",
+        "x released",
         "sglang warm µs",
         "pool warm µs",
         "x warm",
