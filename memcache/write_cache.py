@@ -19,7 +19,10 @@ turns the list into the call's arguments once, where one call for all four lists
 ``pack_into`` with its leading arguments) builds them twice (20% of the packing).
 Either way the prefix tensors of the requests with a prefix are checked as one batch
 (``memcache.prefix_check``): a C-level pass per rule, nothing kept between calls and
-nothing written onto the caller's tensors, which sglang makes anew for every call.
+nothing written onto the caller's tensors, which sglang makes anew for every call. The
+small pass uses the same batched check, numpy and all: a builtins-only variant measured
+3-8% cheaper per whole call at bs 1-64 and 9-14% dearer at 256-1024 (CPU machine, fresh
+tensors, same run), too little for a second implementation to keep equal.
 """
 
 from __future__ import annotations
@@ -291,11 +294,11 @@ def _small_batch_packed(
     if starts.pop() != out_cache_loc.numel():  # the last running sum is the total (numel: 1-D here)
         return None
     kept = list(compress(prefix_tensors, prefix))  # only a request with a prefix reads its tensor
-    rows = list(compress(range(bs), prefix))
-    tagged = tagged_addresses(kept, rows, list(compress(prefix, prefix)), req_to_token_pool.device)
+    read = list(compress(range(bs), prefix))
+    tagged = tagged_addresses(kept, read, list(compress(prefix, prefix)), req_to_token_pool.device)
     if len(kept) != bs:
         addresses = np.zeros(bs, np.int64)  # an empty prefix stages 0, never read
-        addresses[rows] = tagged
+        addresses[read] = tagged
         tagged = addresses
     # one join: the metadata is copied once (concatenating the rows copied it three times)
     meta = b"".join([packed[0], packed[1], packed[2], row.pack(*starts), tagged.tobytes()])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from memcache import CacheIndexError, ReqToTokenPool, write_cache, write_cache_indices
+from memcache import CacheIndexError, ReqToTokenPool, prefix_check, write_cache, write_cache_indices
 from memcache.prefix_check import tagged_addresses
 from pinpool import PinnedRingBuffer, PoolSettings
 
@@ -185,3 +185,51 @@ def test_a_req_to_token_swapped_for_another_device_is_refused_before_staging() -
             backend="triton",
             **one_request(torch.arange(4), 2),
         )
+
+
+def test_the_batched_prefix_check_refuses_exactly_what_the_per_tensor_check_refuses() -> None:
+    """Catches a batched rule accepting a tensor the per-tensor rules refuse (or refusing a valid
+    one), or naming another request or rule than the first broken one, for every kind of defect
+    anywhere in a batch: dtype, device, rank, strides, length, odd address, not a tensor."""
+    rng = random.Random(3)
+    cpu = torch.device("cpu")
+    buf = bytearray(64)
+
+    def good(n: int) -> Any:
+        return rng.choice([torch.arange(n + rng.randint(0, 2), dtype=d) for d in (torch.int32, torch.int64)])
+
+    defects = [
+        lambda n: torch.arange(n, dtype=torch.float32),
+        lambda n: torch.arange(n, dtype=torch.int16),
+        lambda n: torch.empty(n, dtype=torch.int32, device="meta"),
+        lambda n: torch.arange(2 * n, dtype=torch.int32).view(2, n),
+        lambda n: torch.arange(2 * n, dtype=torch.int64)[::2],
+        lambda n: torch.arange(n - 1, dtype=torch.int32),
+        lambda n: torch.frombuffer(buf, dtype=torch.int32, offset=1, count=n),
+        lambda n: list(range(n)),
+        lambda n: torch.arange(8, dtype=torch.int64)[::3][:1],  # one value, strided: contiguous, valid
+    ]
+    for trial in range(300):
+        n = rng.randint(1, 40)
+        needs = [rng.randint(1, 12) for _ in range(n)]
+        tensors = [good(k) for k in needs]
+        for _ in range(rng.choice([0, 1, 1, 2])):
+            j = rng.randrange(n)
+            kind = rng.randrange(len(defects))
+            needs[j] = 1 if kind == len(defects) - 1 else max(needs[j], 2)
+            tensors[j] = defects[kind](needs[j])
+        rows = [3 * j for j in range(n)]  # the request index named is rows[j], not j
+        want = None
+        for t, i, need in zip(tensors, rows, needs, strict=True):
+            try:
+                prefix_check._check_one(i, t, need, -1, cpu)
+            except CacheIndexError as error:
+                want = str(error)
+                break
+        if want is None:
+            got = prefix_check.tagged_addresses(tensors, rows, needs, cpu)
+            assert got.tolist() == [t.data_ptr() | (t.dtype == torch.int64) for t in tensors], trial
+        else:
+            with pytest.raises(CacheIndexError) as info:
+                prefix_check.tagged_addresses(tensors, rows, needs, cpu)
+            assert str(info.value) == want, trial
