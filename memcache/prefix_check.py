@@ -8,10 +8,11 @@ sglang's scheduler hands every call new tensor objects (its radix cache makes ea
 as a fresh ``torch.cat`` of the matched nodes), so nothing is kept between calls and
 nothing is written onto the caller's tensors. Each rule is one C-level ``map`` over the
 whole batch, reduced to one set, one ``all`` or one numpy array: no Python code runs per
-tensor on a valid batch. The data pointer, which sglang reads per tensor too, comes first:
-its pass brings each tensor into the cache for the passes after it. Only a batch that
-breaks a rule goes through ``_check_one`` request by request, which raises the error for
-the first request, in order, that breaks one.
+tensor on a valid batch. The data pointer, the one read sglang makes per tensor, comes
+first; each other rule costs about as much again on tensors just made (first touches of
+their metadata), and far less on tensors seen before. Only a batch that breaks a rule
+goes through ``_check_one`` request by request, which raises the error for the first
+request, in order, that breaks one.
 
 The address handed to the kernel carries the dtype in bit 0 (set: int64). Element
 addresses of int32 and int64 tensors are 4- and 8-aligned, so bit 0 is free; the check
