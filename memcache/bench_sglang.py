@@ -56,7 +56,8 @@ Prefixes = list[torch.Tensor]
 
 def make_case(bs: int, device: torch.device, seed: int = 0) -> dict[str, Any]:
     """Half the requests with a 1-64 token int64 prefix matched over 1-3 radix nodes, every
-    request 1-8 new tokens, rows in random order. ``nodes[i]``: request i's node values."""
+    request 1-8 new tokens, rows in random order. ``nodes[i]``: request i's node values;
+    ``prefix_tensors``: one set made from them (the bench makes a new one for each call)."""
     rng = random.Random(seed)
     prefix = [rng.choice([0, rng.randint(1, 64)]) for _ in range(bs)]
     extend = [rng.randint(1, 8) for _ in range(bs)]
@@ -68,7 +69,7 @@ def make_case(bs: int, device: torch.device, seed: int = 0) -> dict[str, Any]:
         edges = [0, *cuts, p + rng.randint(0, 3)]
         path = torch.randint(1, 1 << 20, (edges[-1],), dtype=torch.int64, device=device) if p else None
         nodes.append([] if path is None else [path[a:b].clone() for a, b in pairwise(edges)])
-    return {
+    case = {
         "out_cache_loc": torch.randint(1, 1 << 20, (sum(extend),), dtype=torch.int64, device=device),
         "req_pool_indices": rng.sample(range(bs), bs),
         "prefix_lens": prefix,
@@ -76,6 +77,8 @@ def make_case(bs: int, device: torch.device, seed: int = 0) -> dict[str, Any]:
         "extend_lens": extend,
         "nodes": nodes,
     }
+    case["prefix_tensors"] = fresh_prefixes(case)  # one set, for scripts that time one call (diag_launch.py)
+    return case
 
 
 def fresh_prefixes(case: dict[str, Any]) -> Prefixes:
