@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from memcache import ReqToTokenPool, write_cache_indices
+from memcache import CacheIndexError, ReqToTokenPool, write_cache_indices
 from pinpool import PinnedRingBuffer, PoolSettings, Stage, no_sync
 
 DEV = torch.device("cuda", 0)
@@ -122,3 +122,32 @@ def test_the_kept_kernel_is_chosen_by_dtype_and_alignment_call_after_call() -> N
                 write_cache_indices(req_to_token_pool=want, pool=p, backend="torch", **case)
                 write_cache_indices(req_to_token_pool=got, pool=p, backend="triton", **case)
                 assert torch.equal(got.req_to_token, want.req_to_token), (rep, dtype, shift)
+
+
+def test_fresh_radix_style_prefixes_each_call_match_the_reference_and_stay_untouched() -> None:
+    """Catches the batched prefix check on CUDA (device read by index) refusing sglang's fresh
+    ``torch.cat(nodes)[:p]`` prefixes, accepting a CPU tensor or one of another device for a
+    prefix, or writing an attribute onto the caller's tensors."""
+    rng = random.Random(11)
+    p = pool()
+    base = make_case(rng, 300, 300)
+    nodes = [[t[: len(t) // 2].long(), t[len(t) // 2 :].long()] for t in base["prefix_tensors"]]
+    for _ in range(3):  # new tensor objects every call, as sglang's radix cache makes them
+        case = dict(base)
+        case["prefix_tensors"] = [torch.cat(n)[: len(t)] for n, t in zip(nodes, base["prefix_tensors"], strict=True)]
+        want = ReqToTokenPool(300, MAX_LEN, DEV)
+        got = ReqToTokenPool(300, MAX_LEN, DEV)
+        write_cache_indices(req_to_token_pool=want, pool=p, backend="torch", **case)
+        write_cache_indices(req_to_token_pool=got, pool=p, **case)
+        assert torch.equal(got.req_to_token, want.req_to_token)
+        assert all(vars(t) == {} for t in case["prefix_tensors"])
+    i = next(j for j, n in enumerate(base["prefix_lens"]) if n)
+    others = [base["prefix_tensors"][i].cpu()]
+    if torch.cuda.device_count() > 1:
+        others.append(base["prefix_tensors"][i].to("cuda:1"))
+    for other in others:
+        case = dict(base)
+        case["prefix_tensors"] = list(base["prefix_tensors"])
+        case["prefix_tensors"][i] = other
+        with pytest.raises(CacheIndexError, match=rf"'prefix_tensors\[{i}\]' must be an int32 or int64 tensor on"):
+            write_cache_indices(req_to_token_pool=ReqToTokenPool(300, MAX_LEN, DEV), pool=p, **case)

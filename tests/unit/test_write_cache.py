@@ -181,7 +181,7 @@ def test_bad_inputs_raise_before_anything_is_staged(label: str, kwargs: dict[str
 @needs_interpreter
 def test_prefix_tensors_are_retained_until_the_slot_is_reclaimed() -> None:
     """Catches prefix tensors released while the kernel that reads their addresses may be queued
-    (and the per-tensor check table keeping them alive past that: it must hold weak references)."""
+    (and anything else keeping them alive past that slot's reclaim)."""
     case: dict[str, Any] = {
         "out_cache_loc": torch.arange(3),
         "req_pool_indices": [4, 0, 2],
@@ -204,9 +204,9 @@ def test_prefix_tensors_are_retained_until_the_slot_is_reclaimed() -> None:
     assert all(r() is None for r in refs)
 
 
-def test_a_cached_check_is_redone_when_the_tensor_changes() -> None:
-    """Catches the per-tensor check table trusting a tensor whose storage was swapped
-    (set_ to a shorter one, or to another dtype), or an id reused by a new tensor."""
+def test_a_check_is_redone_when_the_tensor_changes() -> None:
+    """Catches a check result carried over from an earlier call for a tensor whose storage was
+    swapped (set_ to a shorter one), or for a new tensor that reuses a freed one's id."""
     rtt = ReqToTokenPool(8, MAX_LEN, "cpu")
     pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=4096))
     t = torch.arange(4, dtype=torch.int64)

@@ -1,4 +1,4 @@
-"""write_cache_indices' fast paths: the kept prefix checks and the few-call length checks
+"""write_cache_indices' cheaper checks: the batched prefix checks and the few-call length checks
 refuse exactly what the full checks refuse."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from memcache import CacheIndexError, ReqToTokenPool, write_cache, write_cache_indices
-from memcache.prefix_check import checked_attr, checked_prefixes
+from memcache import CacheIndexError, ReqToTokenPool, prefix_check, write_cache, write_cache_indices
+from memcache.prefix_check import tagged_addresses
 from pinpool import PinnedRingBuffer, PoolSettings
 
 MAX_LEN = 64
@@ -35,7 +35,8 @@ def one_request(t: Any, prefix_len: int) -> dict[str, Any]:
 
 
 def test_data_swapped_for_another_dtype_at_the_same_address_is_checked_again() -> None:
-    """Catches a kept check trusted after ``.data =`` changed the dtype but not the address."""
+    """Catches a check result carried from one call to the next: ``.data =`` changed the dtype but
+    not the address, and the next call must read the new dtype (refuse it, then read int32 width)."""
     rtt = ReqToTokenPool(4, MAX_LEN, "cpu")
     t = torch.arange(8, dtype=torch.int64)
     call(rtt, **one_request(t, 8))
@@ -49,30 +50,41 @@ def test_data_swapped_for_another_dtype_at_the_same_address_is_checked_again() -
     assert rtt.req_to_token[0, :16].tolist() == t.tolist()
 
 
-def test_a_check_kept_for_one_device_is_done_again_for_another() -> None:
-    """Catches a tensor accepted for a device other than the one it was checked for."""
+def test_a_tensor_accepted_for_one_device_is_refused_for_another() -> None:
+    """Catches the batched device rule answering for another device than the one asked (a CPU
+    tensor passing for "meta", whose tensors' get_device() is -1 as a CPU tensor's)."""
     t = torch.arange(4, dtype=torch.int32)
-    assert len(checked_prefixes([t], [0], [4], torch.device("cpu"))) == 1
+    assert tagged_addresses([t], [0], [4], torch.device("cpu")).tolist() == [t.data_ptr()]
     with pytest.raises(CacheIndexError, match="on meta"):
-        checked_prefixes([t], [0], [4], torch.device("meta"))
+        tagged_addresses([t], [0], [4], torch.device("meta"))
+    meta = torch.empty(4, dtype=torch.int32, device="meta")
+    with pytest.raises(CacheIndexError, match=r"on cpu \(got torch.int32 on meta\)"):
+        tagged_addresses([t, meta], [0, 1], [4, 4], torch.device("cpu"))
 
 
-def test_a_forged_check_on_something_else_than_a_tensor_is_refused() -> None:
-    """Catches the fast path trusting the attribute alone: it must still read the tensor."""
+def test_something_else_than_a_tensor_with_tensor_attributes_is_refused() -> None:
+    """Catches the batched passes trusting duck-typed attributes: an object with a dtype, a device,
+    a data_ptr and a numel, but no tensor, must be refused (its address is not a tensor's)."""
 
     class Forged:
-        pass
+        dtype = torch.int32
+        is_cpu = True
 
-    fake = Forged()
-    setattr(fake, checked_attr(torch.device("cpu")), (4096, torch.int32, bytes(8), 64))
+        def data_ptr(self) -> int:
+            return 4096
+
+        def numel(self) -> int:
+            return 64
+
     with pytest.raises(CacheIndexError, match=r"prefix_tensors\[0\]' must be an int32 or int64 tensor.*Forged"):
-        call(ReqToTokenPool(4, MAX_LEN, "cpu"), **one_request(fake, 4))
+        call(ReqToTokenPool(4, MAX_LEN, "cpu"), **one_request(Forged(), 4))
 
 
 @pytest.mark.parametrize("bs", [6, 300])
 def test_a_batch_of_seen_new_and_changed_prefixes(bs: int) -> None:
-    """Catches the switch from the all-seen comprehension to the full loop losing a request, its
-    order, or the index named in an error (small and vectorised ways)."""
+    """Catches a tensor's state carried between calls: one changed (set_ to another address) or
+    shortened between two calls must be read anew, at the right request index (small and
+    vectorised ways)."""
     rng = random.Random(bs)
     prefix = [rng.choice([0, rng.randint(1, 20)]) for _ in range(bs)]
     extend = [rng.randint(1, 4) for _ in range(bs)]
@@ -173,3 +185,51 @@ def test_a_req_to_token_swapped_for_another_device_is_refused_before_staging() -
             backend="triton",
             **one_request(torch.arange(4), 2),
         )
+
+
+def test_the_batched_prefix_check_refuses_exactly_what_the_per_tensor_check_refuses() -> None:
+    """Catches a batched rule accepting a tensor the per-tensor rules refuse (or refusing a valid
+    one), or naming another request or rule than the first broken one, for every kind of defect
+    anywhere in a batch: dtype, device, rank, strides, length, odd address, not a tensor."""
+    rng = random.Random(3)
+    cpu = torch.device("cpu")
+    buf = bytearray(64)
+
+    def good(n: int) -> Any:
+        return rng.choice([torch.arange(n + rng.randint(0, 2), dtype=d) for d in (torch.int32, torch.int64)])
+
+    defects = [
+        lambda n: torch.arange(n, dtype=torch.float32),
+        lambda n: torch.arange(n, dtype=torch.int16),
+        lambda n: torch.empty(n, dtype=torch.int32, device="meta"),
+        lambda n: torch.arange(2 * n, dtype=torch.int32).view(2, n),
+        lambda n: torch.arange(2 * n, dtype=torch.int64)[::2],
+        lambda n: torch.arange(n - 1, dtype=torch.int32),
+        lambda n: torch.frombuffer(buf, dtype=torch.int32, offset=1, count=n),
+        lambda n: list(range(n)),
+        lambda n: torch.arange(8, dtype=torch.int64)[::3][:1],  # one value, strided: contiguous, valid
+    ]
+    for trial in range(300):
+        n = rng.randint(1, 40)
+        needs = [rng.randint(1, 12) for _ in range(n)]
+        tensors = [good(k) for k in needs]
+        for _ in range(rng.choice([0, 1, 1, 2])):
+            j = rng.randrange(n)
+            kind = rng.randrange(len(defects))
+            needs[j] = 1 if kind == len(defects) - 1 else max(needs[j], 2)
+            tensors[j] = defects[kind](needs[j])
+        rows = [3 * j for j in range(n)]  # the request index named is rows[j], not j
+        want = None
+        for t, i, need in zip(tensors, rows, needs, strict=True):
+            try:
+                prefix_check._check_one(i, t, need, -1, cpu)
+            except CacheIndexError as error:
+                want = str(error)
+                break
+        if want is None:
+            got = prefix_check.tagged_addresses(tensors, rows, needs, cpu)
+            assert got.tolist() == [t.data_ptr() | (t.dtype == torch.int64) for t in tensors], trial
+        else:
+            with pytest.raises(CacheIndexError) as info:
+                prefix_check.tagged_addresses(tensors, rows, needs, cpu)
+            assert str(info.value) == want, trial

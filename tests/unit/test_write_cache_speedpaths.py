@@ -1,5 +1,5 @@
 """write_cache_indices' cheaper host paths: lists packed one row at a time, the seq rule read
-by the unsigned maxima, kept prefixes checked by zipped maps, one check attribute per device."""
+by the unsigned maxima, prefix tensors checked as one batch with nothing written onto them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from memcache import CacheIndexError, ReqToTokenPool, write_cache, write_cache_indices
-from memcache.prefix_check import checked_attr, checked_kept, checked_prefixes, forget
+from memcache import CacheIndexError, ReqToTokenPool, prefix_check, write_cache, write_cache_indices
 from pinpool import PinnedRingBuffer, PoolSettings
 
 MAX_LEN = 128  # room for a prefix read at twice the width
@@ -94,10 +93,10 @@ def test_bad_lists_of_a_large_batch_raise_before_anything_is_staged(
     assert rtt.req_to_token.eq(-7).all()
 
 
-def test_kept_prefixes_are_checked_again_after_a_dtype_swap_or_for_a_non_tensor() -> None:
-    """Catches the zipped-maps pass (every prefix read) trusting a kept check after ``.data =``
-    kept the address but changed the dtype, reading past a seen tensor's end, or taking
-    something else than a tensor."""
+def test_prefixes_are_read_anew_after_a_dtype_swap_or_for_a_non_tensor() -> None:
+    """Catches the batched check (vectorised way) carrying a result from one call to the next
+    after ``.data =`` kept the address but changed the dtype, reading past a tensor's end, or
+    taking something else than a tensor."""
     case = big_case(5)
     rtt = ReqToTokenPool(BS, MAX_LEN, "cpu")
     call(rtt, case)
@@ -152,18 +151,55 @@ def test_a_large_batch_with_no_one_or_every_prefix(with_prefix: float) -> None:
     written(rtt, case)
 
 
-def test_a_check_is_kept_per_device_and_forgotten() -> None:
-    """Catches a check kept for one device read for another (the device is in the attribute's
-    name, not compared per tensor), and ``forget`` leaving one behind."""
-    cpu = torch.device("cpu")
-    assert len({checked_attr(d) for d in (cpu, torch.device("cuda:0"), torch.device("cuda:1"))}) == 3
-    t = torch.arange(4, dtype=torch.int32)
-    assert checked_kept([t], [0], [4], cpu) == checked_prefixes([t], [0], [4], cpu)
-    assert hasattr(t, checked_attr(cpu))
-    with pytest.raises(CacheIndexError, match="on meta"):
-        checked_kept([t], [0], [4], torch.device("meta"))
-    forget(t)
-    assert not [name for name in vars(t) if name.startswith("_pinpool_prefix_check")]
+@pytest.mark.parametrize("bs", [3, BS])  # the small pass and the vectorised way
+def test_a_call_writes_no_attribute_onto_the_callers_tensors(bs: int) -> None:
+    """Catches a check result kept on the caller's prefix tensors (an attribute, as the first
+    version tagged them): sglang makes them anew for every call, and they are not ours to write."""
+    case = big_case(8)
+    if bs != BS:
+        case = {k: v[:bs] if isinstance(v, list) else v for k, v in case.items()}
+        case["req_pool_indices"] = list(range(bs))
+        case["out_cache_loc"] = torch.arange(sum(case["extend_lens"]))
+    before = [dict(vars(t)) for t in case["prefix_tensors"]]
+    rtt = ReqToTokenPool(BS, MAX_LEN, "cpu")
+    call(rtt, case, backend="triton")
+    call(rtt, case, backend="torch")
+    assert [dict(vars(t)) for t in case["prefix_tensors"]] == before == [{}] * bs
+
+
+@pytest.mark.parametrize("bs", [3, BS])
+def test_a_valid_batch_is_checked_by_one_batched_call_with_no_per_tensor_check(
+    bs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches the prefix checks falling back to a Python loop per tensor on a valid batch (the cost
+    the batched passes exist to avoid), or running more than once per call."""
+    case = big_case(9, with_prefix=0.7)
+    if bs != BS:
+        case = {k: v[:bs] if isinstance(v, list) else v for k, v in case.items()}
+        case["req_pool_indices"] = list(range(bs))
+        case["out_cache_loc"] = torch.arange(sum(case["extend_lens"]))
+    per_tensor: list[int] = []
+    batches: list[int] = []
+    batched = prefix_check.tagged_addresses
+
+    def counting(tensors: Any, *args: Any) -> Any:
+        batches.append(len(tensors))
+        return batched(tensors, *args)
+
+    monkeypatch.setattr(prefix_check, "_check_one", lambda i, *a: per_tensor.append(i))
+    monkeypatch.setattr(write_cache, "tagged_addresses", counting)
+    rtt = ReqToTokenPool(BS, MAX_LEN, "cpu")
+    call(rtt, case, backend="triton")
+    assert batches == [sum(1 for p in case["prefix_lens"] if p)]
+    assert per_tensor == []
+    call(rtt, case)
+    written(rtt, case)
+    bad = next(i for i, p in enumerate(case["prefix_lens"]) if p)
+    case["prefix_tensors"][bad] = case["prefix_tensors"][bad].float()  # control: a broken batch is rechecked
+    monkeypatch.setattr(prefix_check, "_check_one", lambda i, *a: per_tensor.append(i))
+    with pytest.raises(CacheIndexError, match="must pass the prefix checks"):  # the stub refuses nothing
+        call(rtt, case)
+    assert per_tensor == [i for i, p in enumerate(case["prefix_lens"]) if p]
 
 
 def test_auto_backend_reads_the_interpreter_switch_on_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
