@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pinpool.bench.kit import MODES, BenchContext, Table
-from pinpool.log import LOG_LEVEL_ENV, level_from_env, set_fallback_level
+from pinpool.log import LOG_LEVEL_ENV, level_from_env, log_to_stderr
 
 Workload = Callable[[BenchContext], list[Table]]
 
@@ -173,11 +173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(str(exc))
     # The command line is an application: it picks the level of pinpool's stderr events,
     # and puts the previous one back for a caller that runs it in-process.
-    previous = set_fallback_level(level)
+    previous = log_to_stderr(level)
     try:
         return _bench(args)
     finally:
-        set_fallback_level(previous)
+        log_to_stderr(previous)
 
 
 def _bench(args: argparse.Namespace) -> int:
