@@ -68,6 +68,7 @@ class PinpoolLogger:
             wrapper_class=structlog.stdlib.BoundLogger,
             processors=[_to_record],
             context_class=dict,
+            cache_logger_on_first_use=True,  # built once, not at every event
         )
 
     def _emit(self, level: int, method: str, event: str, kw: dict[str, Any]) -> None:
