@@ -5,6 +5,9 @@ values into pinned host memory, and lands them on the device with one asynchrono
 ``stage(zero_copy=True)`` lets kernels read the pinned slot in place instead.
 """
 
+#: The one place the version is written: pyproject.toml reads it (``[tool.setuptools.dynamic]``).
+__version__ = "0.1.0"
+
 from pinpool.exceptions import (
     CapacityError,
     DeviceMismatchError,

@@ -16,6 +16,18 @@ class SettingsError(PinpoolError, ValueError):
     """A settings field broke its rule."""
 
 
+class SettingsTypeError(SettingsError, TypeError):
+    """A settings field, or the settings object itself, has the wrong type (``debug='yes'``, ``settings='cpu'``).
+
+    Both a ``SettingsError`` and a ``TypeError``: ``except TypeError`` written against the
+    untyped errors these used to be keeps working.
+    """
+
+
+class SettingsWarning(UserWarning):
+    """A ``PINPOOL_*`` environment variable that no part of pinpool reads (most likely a typo)."""
+
+
 class CapacityError(PinpoolError, ValueError):
     """A stage needs more bytes than its slot (or owned buffer) holds."""
 

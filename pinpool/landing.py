@@ -21,44 +21,28 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
 from pinpool.exceptions import DeviceMismatchError, StagingTypeError, StagingValueError
 
 #: The dtypes a writer may hand ``land`` (each value is stored as its landing's dtype).
 LANDING_DTYPES = (torch.int64, torch.int32, torch.float32)
-BLOCK = 256
 #: struct format per landing tag (``pinpool.stage.LANDING_TAG``): what the reference stores.
 _PACK = {0: "=q", 1: "=i", 2: "=f"}
 
 
-@triton.jit
-def store_landed(addr, value, mask):
-    """Store ``value`` at a tagged landing address, as the landing's dtype (the tag in its two low bits).
+def __getattr__(name: str) -> Any:
+    """``store_landed`` and ``BLOCK`` (for kernels that land their own output), loaded on first use.
 
-    Tag 0: int64, 1: int32, 2: float32 (``pinpool.stage.LANDING_TAG``); address 0 (a padding
-    row) and tag 3 store nothing. The width comes from the landing, never from the writer,
-    so a store cannot run past the bytes the landing reserved. Works on scalars and lanes.
+    Triton is imported here, not at the top: the pool and the CPU reference work without it.
     """
-    tag = addr & 3
-    base = addr - tag
-    live = mask & (addr != 0)
-    tl.store(base.to(tl.pointer_type(tl.int64)), value.to(tl.int64), mask=live & (tag == 0))
-    tl.store(base.to(tl.pointer_type(tl.int32)), value.to(tl.int32), mask=live & (tag == 1))
-    tl.store(base.to(tl.pointer_type(tl.float32)), value.to(tl.float32), mask=live & (tag == 2))
+    if name in ("store_landed", "BLOCK"):
+        from pinpool import landing_kernel
 
-
-@triton.jit(do_not_specialize=["n"])
-def _land_kernel(values_ptr, addr_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < n
-    # Each lane's own destination: the staged host address of its row (0 on padding rows).
-    addr = tl.load(addr_ptr + offs, mask=inside, other=0)
-    values = tl.load(values_ptr + offs, mask=inside, other=0)
-    store_landed(addr, values, inside)
+        return getattr(landing_kernel, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def land(values: torch.Tensor, addresses: torch.Tensor) -> None:
@@ -76,13 +60,9 @@ def land(values: torch.Tensor, addresses: torch.Tensor) -> None:
     if n == 0:
         return
     if values.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        device = values.device
-        # Triton launches on the current device's stream: run under the tensors' device.
-        if device.type == "cuda" and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):
-                _land_kernel[(triton.cdiv(n, BLOCK),)](values, addresses, n, BLOCK=BLOCK)
-            return
-        _land_kernel[(triton.cdiv(n, BLOCK),)](values, addresses, n, BLOCK=BLOCK)
+        from pinpool.landing_kernel import launch_land
+
+        launch_land(values, addresses)
         return
     land_reference(values, addresses)
 

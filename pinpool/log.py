@@ -1,24 +1,26 @@
-"""The structlog loggers pinpool's packages log through, and where their events go.
+"""The loggers pinpool's packages log through: stdlib ``logging``, by way of structlog.
 
-The library never calls ``structlog.configure``: that belongs to the application. Where
-the application has configured structlog, pinpool's events follow its configuration.
-Where it has not, they go to **stderr, at info and above**, never to stdout, so a
-program's own output stays its own. Filtered levels cost one call that returns at once.
+Each package logs under its own stdlib logger (``pinpool``, ``sampling``, ``memcache``,
+``engine``), so its level and handlers are the application's to set, as for any library::
+
+    logging.getLogger("pinpool").setLevel(logging.DEBUG)
+
+The library adds no handler and sets no level. With nothing configured, stdlib's last-resort
+handler prints warnings and above on stderr and drops the rest: a library user sees nothing
+below warning. With ``logging.basicConfig(level=logging.INFO)``, ``pool.created`` arrives as
+a record whose message starts with the event name, then ``key=value`` fields; the record
+also carries the bare name as ``record.event``.
+
+Where the application has configured structlog itself, pinpool's events follow that
+configuration instead (its processors, its sink): the choice is made at each call, so an
+application that configures logging after importing pinpool is still obeyed.
 
 Event names are stable API (dashboards match on them): ``pool.created``, ``pool.closed``,
 ``consumer.registered`` (info); ``slot.stall``, ``stage.overflow`` (warning);
 ``stage.aborted`` (debug: a routine exception unwinding a stage).
 
-Example::
-
-    from pinpool.log import get_logger
-
-    log = get_logger("pinpool")
-    log.info("pool.created", num_slots=4)  # stderr: "pool.created  num_slots=4"
-    log.debug("stage.aborted", slot=0)     # dropped unless the level is debug
-
-``PINPOOL_LOG_LEVEL`` (debug, info, warning, error) sets the level of the fallback
-logger in the ``pinpool`` command line; read it with :func:`level_from_env`.
+``PINPOOL_LOG_LEVEL`` (debug, info, warning, error) is read by the ``pinpool`` command line
+only, which is an application: it calls :func:`log_to_stderr` with :func:`level_from_env`.
 """
 
 from __future__ import annotations
@@ -26,61 +28,75 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import structlog
 
 #: The environment variable the ``pinpool`` command line reads its log level from.
 LOG_LEVEL_ENV = "PINPOOL_LOG_LEVEL"
+#: The stdlib loggers pinpool's packages log under (one per top-level package).
+PACKAGE_LOGGERS = ("pinpool", "sampling", "memcache", "engine")
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
-class _Stderr:
-    """Whatever ``sys.stderr`` is at write time (pytest and applications swap it)."""
+def _to_record(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Mapping[str, Any]:
+    """Render an event as stdlib ``logger.<level>()`` keyword arguments.
 
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
-
-    def flush(self) -> None:
-        sys.stderr.flush()
-
-
-def _fallback(level: int) -> Any:
-    return structlog.wrap_logger(
-        structlog.PrintLogger(_Stderr()),  # type: ignore[arg-type]
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=True),
-            structlog.dev.ConsoleRenderer(colors=False),
-        ],
-    )
-
-
-_fallback_level = logging.INFO
-_fallback_logger: Any = _fallback(_fallback_level)
-# One bound logger per package name, so that a call binds nothing (cleared on a level change).
-_fallback_by_name: dict[str, Any] = {}
-
-
-def fallback_level() -> int:
-    """The level of the stderr logger used while the application has not configured structlog."""
-    return _fallback_level
-
-
-def set_fallback_level(level: int) -> int:
-    """Set the level of the stderr logger used while the application has not configured structlog.
-
-    Returns the level it replaces, so that a caller can put it back.
+    The message carries every field, so a plain ``basicConfig`` shows them; ``extra`` gives
+    handlers the bare event name without parsing the message.
     """
-    global _fallback_logger, _fallback_level
-    previous, _fallback_level = _fallback_level, level
-    _fallback_logger = _fallback(level)
-    _fallback_by_name.clear()
-    return previous
+    event = str(event_dict.pop("event"))
+    fields = " ".join(f"{key}={value!r}" for key, value in event_dict.items())
+    return {"msg": f"{event} {fields}" if fields else event, "extra": {"event": event}}
 
 
-def level_from_env(default: int = logging.INFO) -> int:
+class PinpoolLogger:
+    """One package's logger: the application's structlog configuration if it has one, else stdlib.
+
+    >>> log = PinpoolLogger("pinpool")
+    >>> log.debug("stage.aborted", slot=0)  # below the stdlib default (warning): nothing printed
+    """
+
+    __slots__ = ("_name", "_stdlib", "_structured")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._stdlib = logging.getLogger(name)
+        self._structured: Any = structlog.wrap_logger(
+            self._stdlib,
+            wrapper_class=structlog.stdlib.BoundLogger,
+            processors=[_to_record],
+            context_class=dict,
+            cache_logger_on_first_use=True,  # built once, not at every event
+        )
+
+    def _emit(self, level: int, method: str, event: str, kw: dict[str, Any]) -> None:
+        if structlog.is_configured():
+            getattr(structlog.get_logger(self._name), method)(event, **kw)
+        # A filtered level costs this one check: stdlib caches the answer per logger.
+        elif self._stdlib.isEnabledFor(level):
+            getattr(self._structured, method)(event, **kw)
+
+    def debug(self, event: str, **kw: Any) -> None:
+        self._emit(logging.DEBUG, "debug", event, kw)
+
+    def info(self, event: str, **kw: Any) -> None:
+        self._emit(logging.INFO, "info", event, kw)
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self._emit(logging.WARNING, "warning", event, kw)
+
+    def error(self, event: str, **kw: Any) -> None:
+        self._emit(logging.ERROR, "error", event, kw)
+
+
+def get_logger(name: str) -> PinpoolLogger:
+    """The logger for one of pinpool's packages (``"pinpool"``, ``"memcache"``, ...)."""
+    return PinpoolLogger(name)
+
+
+def level_from_env(default: int = logging.WARNING) -> int:
     """The level ``PINPOOL_LOG_LEVEL`` names, or ``default`` when it is unset.
 
     Raises ``ValueError`` naming the variable and the accepted values for anything else.
@@ -93,42 +109,45 @@ def level_from_env(default: int = logging.INFO) -> int:
     return _LEVELS[raw]
 
 
-class PinpoolLogger:
-    """A logger that follows the application's structlog config, or falls back to stderr.
+class _Stderr:
+    """Whatever ``sys.stderr`` is at write time (pytest and applications swap it)."""
 
-    The choice is made at each call, so an application that configures structlog after
-    importing pinpool still gets pinpool's events through its own pipeline.
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
 
-    >>> log = PinpoolLogger("pinpool")
-    >>> log.debug("stage.aborted", slot=0)  # below the fallback's info level: nothing printed
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+_stderr_handler = logging.StreamHandler(_Stderr())
+_stderr_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+#: Each package logger's own level from before log_to_stderr set it, to put back on removal.
+_levels_before: dict[str, int] = {}
+
+
+def stderr_level() -> int | None:
+    """The level :func:`log_to_stderr` set, or None while it is off."""
+    return _stderr_handler.level if _levels_before else None
+
+
+def log_to_stderr(level: int | None) -> int | None:
+    """For applications (the ``pinpool`` command line): print the packages' events at ``level`` and up on stderr.
+
+    ``None`` takes the handler off again and puts the loggers' levels back. Returns the
+    level it replaces (None when it was off), so that a caller can restore it.
     """
-
-    __slots__ = ("_name",)
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def _target(self) -> Any:
-        if structlog.is_configured():
-            return structlog.get_logger(self._name)
-        bound = _fallback_by_name.get(self._name)
-        if bound is None:
-            bound = _fallback_by_name[self._name] = _fallback_logger.bind(logger=self._name)
-        return bound
-
-    def debug(self, event: str, **kw: Any) -> None:
-        self._target().debug(event, **kw)
-
-    def info(self, event: str, **kw: Any) -> None:
-        self._target().info(event, **kw)
-
-    def warning(self, event: str, **kw: Any) -> None:
-        self._target().warning(event, **kw)
-
-    def error(self, event: str, **kw: Any) -> None:
-        self._target().error(event, **kw)
-
-
-def get_logger(name: str) -> PinpoolLogger:
-    """The logger for one of pinpool's packages (``"pinpool"``, ``"memcache"``, ...)."""
-    return PinpoolLogger(name)
+    previous = stderr_level()
+    for name in PACKAGE_LOGGERS:
+        logger = logging.getLogger(name)
+        if level is None:
+            logger.removeHandler(_stderr_handler)
+            if name in _levels_before:
+                logger.setLevel(_levels_before.pop(name))
+            continue
+        _levels_before.setdefault(name, logger.level)
+        logger.setLevel(level)
+        if _stderr_handler not in logger.handlers:
+            logger.addHandler(_stderr_handler)
+    if level is not None:
+        _stderr_handler.setLevel(level)
+    return previous

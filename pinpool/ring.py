@@ -33,6 +33,7 @@ from pinpool.exceptions import (
     CapacityError,
     DeviceMismatchError,
     PoolStateError,
+    SettingsTypeError,
     ThreadOwnershipError,
 )
 from pinpool.exchange import Exchange, Field
@@ -90,6 +91,10 @@ class PinnedRingBuffer:
         ``transport``: how copies and fences are made (default: CUDA through torch, or
         plain host memory on CPU); tests pass ``pinpool.simulated.LaggingGpu``.
         """
+        if settings is not None and not isinstance(settings, PoolSettings):
+            raise SettingsTypeError(
+                f"'settings' must be a PoolSettings or None (got {settings!r}); e.g. PoolSettings(device='cpu')"
+            )
         self.settings = settings if settings is not None else PoolSettings()
         self._transport = transport if transport is not None else transport_for(self.settings.device)
         #: Whether a graph capture would take a stage on a stream (a caller's own transport may

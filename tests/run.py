@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 STAMP = VENV / ".pinpool-installed"
-TORCH = "torch>=2.4"
+TORCH = "torch>=2.11"  # pyproject.toml's floor
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 DRY_RUN_ENV = "PINPOOL_SETUP_DRY_RUN"
 

@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
@@ -17,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from pinpool.bench.kit import MODES, BenchContext, Table
-from pinpool.log import LOG_LEVEL_ENV, level_from_env, set_fallback_level
+from pinpool import __version__
+from pinpool.bench.kit import MODES, BenchContext, Cell, Table
+from pinpool.log import LOG_LEVEL_ENV, level_from_env, log_to_stderr
 
 Workload = Callable[[BenchContext], list[Table]]
 
@@ -61,6 +63,38 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 (got {text!r})") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 (got {text!r})")
+    return value
+
+
+def _device(text: str) -> torch.device:
+    """A device this run can use, resolved ('cuda' becomes 'cuda:<current>'), or argparse's one-line error."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N (got {text!r})") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N: no {device.type} path here (got {text!r})")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                f"this torch ({torch.__version__}) sees no CUDA device; use --device cpu (got {text!r})"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"expected an index below the {torch.cuda.device_count()} visible CUDA devices (got {text!r})"
+            )
+    return device
+
+
 _Formatter = argparse.RawDescriptionHelpFormatter  # keeps the epilog's lists; each help states its default
 DEFAULT_BATCH_SIZES = (1, 64, 256, 1024, 4096)
 
@@ -83,6 +117,7 @@ def _epilog() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pinpool", description=__doc__, formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"pinpool {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser(
         "bench",
@@ -91,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_epilog(),
         formatter_class=_Formatter,
     )
-    bench.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    bench.add_argument(
+        "--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)"
+    )
     bench.add_argument(
         "--batch-sizes",
         type=_ints,
@@ -100,13 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--iters",
-        type=int,
+        type=_positive,
         default=100,
         help="timed calls per block, fewer when one block would pass 0.25 s (default: 100)",
     )
     bench.add_argument(
         "--repeats",
-        type=int,
+        type=_positive,
         default=3,
         help="blocks per figure; decode loops: rounds per mode, at most 5 for graph decode (default: 3)",
     )
@@ -121,7 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated subset of the modes below, including pool (default: all)",
     )
     bench.add_argument(
-        "--steps", type=int, default=None, help="decode loop: new tokens per request (default: 32 on CUDA, 12 on CPU)"
+        "--steps",
+        type=_positive,
+        default=None,
+        help="decode loop: new tokens per request (default: 32 on CUDA, 12 on CPU)",
     )
     bench.add_argument(
         "--running",
@@ -173,11 +213,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(str(exc))
     # The command line is an application: it picks the level of pinpool's stderr events,
     # and puts the previous one back for a caller that runs it in-process.
-    previous = set_fallback_level(level)
+    previous = log_to_stderr(level)
     try:
         return _bench(args)
+    except Exception as exc:
+        # A command line answers in one line; the traceback is for whoever asks for debug.
+        if level <= logging.DEBUG:
+            raise
+        return _error(f"{type(exc).__name__}: {exc} ({LOG_LEVEL_ENV}=debug shows the traceback)")
     finally:
-        set_fallback_level(previous)
+        log_to_stderr(previous)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -195,7 +240,7 @@ def _bench(args: argparse.Namespace) -> int:
     unknown = [w for w in chosen if w not in workloads]
     if unknown:
         return _error(f"unknown workload(s) {unknown}; registered: {sorted(workloads)}")
-    device = torch.empty(0, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu")).device
+    device = args.device or _device("cuda" if torch.cuda.is_available() else "cpu")
     ctx = BenchContext(
         device,
         args.batch_sizes,
@@ -207,26 +252,35 @@ def _bench(args: argparse.Namespace) -> int:
         running=args.running,
     )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"pinpool bench on {device} ({name}), torch {torch.__version__}")
+    print(f"pinpool {__version__} bench on {device} ({name}), torch {torch.__version__}")
     if device.type != "cuda":
         print(CPU_LINE)
     produced: dict[str, list[Table]] = {}
-    failed = []
+    failed, skipped = [], []
     for workload in chosen:
         try:
-            produced[workload] = workloads[workload](ctx)
+            tables = workloads[workload](ctx)
         except Exception as exc:  # one broken workload must not hide the others' figures
             failed.append(workload)
             print(f"== {workload}: FAILED: {type(exc).__name__}: {exc}", flush=True)
             continue
-        for table in produced[workload]:
+        if not tables:  # a workload returns nothing where its subject does not exist (GPU kernels on CPU)
+            skipped.append(workload)
+            need = "needs a CUDA device" if device.type != "cuda" else "produced no table"
+            print(f"== {workload}: not run on {device}: it {need}", flush=True)
+            continue
+        produced[workload] = tables
+        for table in tables:
             print(table.render(), flush=True)
+    print(summary(produced, failed, skipped), flush=True)
     if args.json is not None:
         payload = {
+            "pinpool": __version__,
             "device": str(device),
             "device_name": name,
             "torch": torch.__version__,
             "failed": failed,
+            "skipped": skipped,
             "tables": [t.as_json() | {"workload": w} for w, tables in produced.items() for t in tables],
         }
         args.json.write_text(json.dumps(payload, indent=2, allow_nan=False))
@@ -234,7 +288,42 @@ def _bench(args: argparse.Namespace) -> int:
         from pinpool.bench.plot import plot_workloads
 
         plot_workloads(produced, args.plot, f"{name}, torch {torch.__version__}")
-    return 1 if failed else 0
+    # Nothing measured (every workload chosen needs another device) is not a success either.
+    return 1 if failed or not produced else 0
+
+
+def headline_ratio(table: Table) -> str | None:
+    """The table's first ratio column ("sync/pool", "x", "x host"), or None when it has none (a rate: "tokens/s")."""
+    return next((c for c in table.columns if ("/" in c and not c.endswith("/s")) or c.split(" ")[0] == "x"), None)
+
+
+def _ratio_text(cell: Cell) -> str:
+    if isinstance(cell, (int, float)) and not isinstance(cell, bool) and math.isfinite(cell):
+        return f"{cell:.2f}"
+    return "-"
+
+
+def summary(produced: dict[str, list[Table]], failed: Sequence[str], skipped: Sequence[str]) -> str:
+    """The closing block: each table's headline ratio per row, then what failed or did not run."""
+    lines = ["== summary: each table's first ratio column (ratio of medians, as its table defines it)"]
+    for tables in produced.values():
+        for table in tables:
+            column = headline_ratio(table)
+            if column is None:
+                continue
+            # Rows are named by their first column, and the second too where the first repeats (bs, readers).
+            width = 1 if len(set(table.column(table.columns[0]))) == len(table.rows) else 2
+            key = ",".join(table.columns[:width])
+            at = table.columns.index(column)
+            cells = "  ".join(f"{','.join(map(str, row[:width]))}: {_ratio_text(row[at])}" for row in table.rows)
+            lines.append(f"{table.title} [{key} -> {column}]  {cells}")
+    if len(lines) == 1:
+        lines.append("no table has a ratio column")
+    if skipped:
+        lines.append(f"not run on this device: {', '.join(skipped)}")
+    if failed:
+        lines.append(f"FAILED: {', '.join(failed)}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

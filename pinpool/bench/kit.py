@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from pinpool.log import fallback_level, set_fallback_level
+from pinpool.log import log_to_stderr, stderr_level
 
 #: The staging modes ``pinpool bench`` compares, and what each one is.
 MODES: dict[str, str] = {
@@ -247,8 +247,8 @@ def run_isolated(fn: Callable[..., Any], jobs: Sequence[tuple[Any, ...]]) -> lis
     with ProcessPoolExecutor(
         max_workers=1,
         mp_context=multiprocessing.get_context("spawn"),
-        initializer=set_fallback_level,
-        initargs=(fallback_level(),),  # the caller's level (the CLI sets one), in the child too
+        initializer=log_to_stderr,
+        initargs=(stderr_level(),),  # the caller's stderr logging (the CLI sets one), in the child too
     ) as child:
         return list(child.map(_call, [(fn, job) for job in jobs]))
 

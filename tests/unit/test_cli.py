@@ -15,6 +15,7 @@ import pytest
 
 from pinpool.bench import cli
 from pinpool.bench.cli import main, registered_workloads
+from pinpool.bench.kit import Table
 
 TINY = ["bench", "--device", "cpu", "--batch-sizes", "1,3", "--iters", "3", "--repeats", "2", "--quiet"]
 DECODE = ["--steps", "4", "--running", "3"]
@@ -169,3 +170,79 @@ def test_a_failed_counting_child_leaves_the_counts_empty_not_the_run(capsys: pyt
     assert counted_or_none(_refuse, [(5,)]) is None
     assert "refused 5" in capsys.readouterr().err
     assert counted_or_none(_pid_times, [(2,)]) is not None
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """Catches a command line with no --version (or one that disagrees with pinpool.__version__)."""
+    import pinpool
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"pinpool {pinpool.__version__}\n"
+
+
+def _no_cuda_here() -> str:
+    """A CUDA device this machine does not have: any index on a CPU-only machine, one past the last otherwise."""
+    import torch
+
+    return f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--repeats", "0"], "--repeats"),
+        (["--iters", "-1"], "--iters"),
+        (["--steps", "zero"], "--steps"),
+        (["--device", "tpu"], "--device"),
+        (["--device", "meta"], "--device"),
+        (["--device", _no_cuda_here()], "--device"),
+    ],
+)
+def test_bad_flag_values_are_refused_by_argparse_in_one_line(
+    flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches `--repeats 0` failing every workload with min() of an empty sequence, and a device
+    the machine lacks ending in a traceback."""
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *flags])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    (error,) = [line for line in err.splitlines() if "error:" in line]
+    assert f"argument {named}:" in error and repr(flags[1]) in error and "Traceback" not in err
+
+
+def test_an_unexpected_error_is_one_line_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches an error outside the workloads (loading them, writing the JSON) shown as a traceback."""
+    monkeypatch.delenv("PINPOOL_LOG_LEVEL", raising=False)
+
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("entry point exploded")
+
+    monkeypatch.setattr(cli, "registered_workloads", broken)
+    assert main([*TINY]) == 2
+    err = capsys.readouterr().err
+    assert err == "pinpool bench: RuntimeError: entry point exploded (PINPOOL_LOG_LEVEL=debug shows the traceback)\n"
+
+
+def test_a_workload_that_cannot_run_here_says_so_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches a CUDA-only workload that prints only the header on CPU and exits 0 as if it had run."""
+    monkeypatch.setattr(cli, "registered_workloads", lambda: {"gpu_only": lambda ctx: []})
+    assert main([*TINY, "--workloads", "gpu_only"]) == 1
+    out = capsys.readouterr().out
+    assert "== gpu_only: not run on cpu: it needs a CUDA device\n" in out
+    assert "not run on this device: gpu_only" in out
+
+
+def test_the_output_ends_with_a_summary_of_ratio_columns(bench_run: tuple[int, str, Any]) -> None:
+    """Catches a run whose headline ratios are scattered over a page of tables with nothing at the end."""
+    _, printed, _ = bench_run
+    summary = printed[printed.index("== summary") :]
+    assert "staging: host µs per stage [bs -> " in summary and "/pool]  1: " in summary
+    assert "tokens/s" not in summary  # a rate, not a ratio
+    assert cli.headline_ratio(Table.build("t", ("bs", "sync µs", "x host"), [(1, 2.0, 3.0)])) == "x host"

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from pinpool import OverflowPolicy, PoolSettings, SettingsError
+from pinpool.exceptions import SettingsTypeError, SettingsWarning
+from pinpool.settings import OTHER_ENV
 
 
 @pytest.mark.parametrize(
@@ -19,13 +23,15 @@ from pinpool import OverflowPolicy, PoolSettings, SettingsError
         ({"alignment": 4}, "'alignment' must be >= 8"),
         ({"overflow": "grow"}, "'overflow' must be one of raise, spill (got 'grow')"),
         ({"device": "gpu:0"}, "'device' must name a torch device"),
-        ({"debug": "yes"}, "'debug'"),
-        ({"log_stalls": 1}, "'log_stalls'"),
+        ({"device": "meta"}, "'device' must be a cpu or cuda device (got 'meta')"),
+        ({"debug": "yes"}, "'debug' must be True or False (got 'yes')"),
+        ({"log_stalls": 1}, "'log_stalls' must be True or False (got 1)"),
+        ({"slot_bytes": 1 << 50}, f"(got {1 << 50} * 4 = {1 << 52})"),
     ],
 )
 def test_each_rule_rejects_its_bad_value(kwargs: dict[str, object], fragment: str) -> None:
     """Catches a settings field that accepts a value its pool cannot work with."""
-    with pytest.raises((SettingsError, TypeError)) as info:
+    with pytest.raises(SettingsError) as info:
         PoolSettings(**{"device": "cpu", **kwargs})  # type: ignore[arg-type]
     assert fragment in str(info.value)
 
@@ -61,3 +67,29 @@ def test_from_env_bad_value_names_the_variable(var: str, value: str) -> None:
     """Catches an env typo that would otherwise fall back to a default silently."""
     with pytest.raises(SettingsError, match=var):
         PoolSettings.from_env({var: value, "PINPOOL_DEVICE": "cpu"})
+
+
+def test_a_bool_field_given_a_non_bool_is_a_type_error_too() -> None:
+    """Catches the typed error breaking callers that caught the TypeError attrs used to raise."""
+    with pytest.raises(TypeError) as info:
+        PoolSettings(device="cpu", zero_copy="1")  # type: ignore[arg-type]
+    assert isinstance(info.value, SettingsTypeError)
+
+
+def test_an_unknown_variable_warns_with_the_closest_name() -> None:
+    """Catches a mistyped PINPOOL_* variable ignored in silence (the pool runs with the default)."""
+    with pytest.warns(SettingsWarning) as caught:
+        settings = PoolSettings.from_env({"PINPOOL_NUM_SLOT": "8", "PINPOOL_DEVICE": "cpu"})
+    assert settings.num_slots == 4
+    (warning,) = caught
+    assert str(warning.message) == (
+        "'PINPOOL_NUM_SLOT' is not a pinpool variable and is ignored (did you mean PINPOOL_NUM_SLOTS?)"
+    )
+    assert warning.filename == __file__  # points at the caller, not at settings.py
+
+
+def test_known_variables_read_elsewhere_do_not_warn() -> None:
+    """Catches a false alarm on PINPOOL_LOG_LEVEL and the scripts' own variables."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PoolSettings.from_env({**dict.fromkeys(OTHER_ENV, "1"), "PINPOOL_DEVICE": "cpu", "PATH": "/bin"})
