@@ -136,32 +136,36 @@ def _ints(top_k: list[Any], seeds: list[Any]) -> np.ndarray[Any, Any]:
         if type(None) in kinds:
             seeds = list(map(_SEED_OR_DEFAULT, seeds, seeds))
         if set(map(type, top_k)) <= _INT_KINDS:
-            try:
-                return np.frombuffer(array("q", top_k + seeds), np.int64).reshape(2, -1)
+            try:  # plain ints only (checked above): numpy converts them faster than array.array("q")
+                return np.array(top_k + seeds, np.int64).reshape(2, -1)
             except OverflowError:  # beyond int64: the checked path names it
                 pass
     return np.array([_checked("top_k", top_k, True), _checked("sampling_seed", seeds, True)], np.int64)
 
 
 def _bias(i: int, value: Any) -> Bias | None:
-    if value is None or (isinstance(value, Mapping) and len(value) == 0):
-        return None
-    if not isinstance(value, Mapping):
+    # sglang's bias is a dict of str keys to floats: the exact type checks come first, the
+    # general ones (a Mapping, numpy numbers) only when those fail.
+    if type(value) is not dict and not isinstance(value, Mapping):
         raise SamplingParamError(
             f"'logit_bias' of request {i} must be a mapping of token id to float (got {type(value).__name__})"
         )
+    if not value:
+        return None
     merged: dict[int, float] = {}
     for key, bias in value.items():
         try:
             token = int(key)
         except (TypeError, ValueError):
             raise SamplingParamError(f"'logit_bias' keys of request {i} must be token ids (got {key!r})") from None
-        if isinstance(key, bool) or token < 0:
+        if token < 0 or type(key) is bool:
             raise SamplingParamError(f"'logit_bias' token ids of request {i} must be ints >= 0 (got {key!r})")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float, np.integer, np.floating)):
+        if type(bias) is not float and (
+            isinstance(bias, (bool, np.bool_)) or not isinstance(bias, (int, float, np.integer, np.floating))
+        ):
             raise SamplingParamError(f"'logit_bias' values of request {i} must be real numbers (got {bias!r})")
         number = float(bias)
-        if not math.isfinite(number) or abs(number) > F32_MAX:
+        if not -F32_MAX <= number <= F32_MAX:  # NaN fails both sides
             raise SamplingParamError(
                 f"'logit_bias' values of request {i} must be finite and fit float32 (got {bias!r} for token {token})"
             )
@@ -171,7 +175,7 @@ def _bias(i: int, value: Any) -> Bias | None:
             f"'logit_bias' of request {i} must have at most {MAX_BIAS_ENTRIES} entries (got {len(merged)})"
         )
     tokens = sorted(merged)
-    return tuple(tokens), tuple(merged[t] for t in tokens)
+    return tuple(tokens), tuple(map(merged.__getitem__, tokens))
 
 
 def _biases(raw: list[Any]) -> dict[int, Bias]:
