@@ -109,7 +109,12 @@ def _scalar(i: int, name: str, value: Any, integral: bool) -> Any:
         raise SamplingParamError(f"'{name}' of request {i} must be {what} (got {value!r})")
     if integral and not -(2**63) <= value < 2**63:
         raise SamplingParamError(f"'{name}' of request {i} must be in [-2**63, 2**63) (got {value!r})")
-    return int(value) if integral else float(value)
+    if integral:
+        return int(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond any double
+        raise SamplingParamError(f"'{name}' of request {i} must be finite and fit float32 (got {value!r})") from None
 
 
 def _checked(name: str, values: list[Any], integral: bool) -> list[Any]:

@@ -195,6 +195,7 @@ def test_none_means_sglangs_default() -> None:
         ({"temperature": True}, "'temperature' of request 1 must be a real number (got True)"),
         ({"min_p": np.True_}, "'min_p' of request 1 must be a real number (got "),
         ({"top_k": np.True_}, "'top_k' of request 1 must be an int (got "),
+        ({"top_p": 10**400}, "'top_p' of request 1 must be finite and fit float32 (got 1000"),
     ],
 )
 @pytest.mark.parametrize("bs", [2, sglang_params.SMALL_BATCH + 5])
