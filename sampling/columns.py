@@ -89,9 +89,9 @@ def select(block: torch.Tensor, bs: int, keep: torch.Tensor) -> torch.Tensor:
 
 
 def concat(a: torch.Tensor, a_bs: int, b: torch.Tensor, b_bs: int) -> torch.Tensor:
-    """A new block of a's rows followed by b's: two copies."""
-    n = a_bs + b_bs
-    out = torch.empty(COLUMN_WORDS * n, dtype=torch.int32, device=a.device)
-    torch.cat([a[: 4 * a_bs].view(4, a_bs), b[: 4 * b_bs].view(4, b_bs)], dim=1, out=out[: 4 * n].view(4, n))
-    torch.cat([a[4 * a_bs :].view(torch.int64), b[4 * b_bs :].view(torch.int64)], out=out[4 * n :].view(torch.int64))
-    return out
+    """A new block of a's rows followed by b's: two copies (the four 32-bit rows side by side, then
+    the seeds, which are already in order as 32-bit word pairs)."""
+    a_quad, a_seeds = a.split((4 * a_bs, 2 * a_bs))
+    b_quad, b_seeds = b.split((4 * b_bs, 2 * b_bs))
+    quad = torch.cat((a_quad.view(4, a_bs), b_quad.view(4, b_bs)), 1)
+    return torch.cat((quad.view(-1), a_seeds, b_seeds))
