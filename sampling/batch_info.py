@@ -338,7 +338,7 @@ class SamplingBatchInfo:
     def max_top_k(self) -> int | None:
         """sglang's bound on every row's top_k, or None when some row samples the whole vocabulary."""
         top_k = self.host_records["top_k"]
-        return int(top_k.max()) if bool((top_k < TOP_K_ALL).all()) else None
+        return int(top_k.max()) if len(top_k) and bool((top_k < TOP_K_ALL).all()) else None
 
     # -- internals ---------------------------------------------------------------------
     def __len__(self) -> int:

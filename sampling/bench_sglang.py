@@ -84,17 +84,25 @@ def equal(ours: SamplingBatchInfo, theirs: Any) -> bool:
 
 
 def timed(ctx: BenchContext, calls: list[Callable[[int], Any]], n: int | None = None) -> list[Spread]:
-    """Host µs of each of ``calls`` (called with the call's index), interleaved: median (p10-p90) over ``n``."""
+    """Host µs of each of ``calls``, interleaved: median (p10-p90) over ``n`` laps.
+
+    Each call gets the running call number (warm-up included), so a caller that picks its
+    objects by it never meets the objects of the call before. The side that goes first
+    rotates from lap to lap.
+    """
     n = _calls(ctx) if n is None else n
     samples: list[list[float]] = [[] for _ in calls]
-    for i in range(-3, n):  # three untimed laps warm every path
-        for fn, out in zip(calls, samples, strict=True):
+    k = 0
+    for lap in range(-3, n):  # three untimed laps warm every path
+        first = lap % len(calls)
+        for j in (*range(first, len(calls)), *range(first)):
             ctx.synchronize()
             start = time.perf_counter()
-            fn(i)
+            calls[j](k)
             took = (time.perf_counter() - start) * 1e6
-            if i >= 0:
-                out.append(took)
+            k += 1
+            if lap >= 0:
+                samples[j].append(took)
     return [_spread(s) for s in samples]
 
 
@@ -176,14 +184,14 @@ def edit_rows(
         spans = timed(
             ctx,
             [
-                lambda i, s=sg_f, k=keep, kd=keep_device: s[i + 3].filter_batch(k, kd),
-                lambda i, p=pp_f, k=keep, kd=keep_device: p[i + 3].filter_batch(k, kd),
-                lambda i, s=sg_m: s[i + 3][0].merge_batch(s[i + 3][1]),
-                lambda i, p=pp_m: p[i + 3][0].merge_batch(p[i + 3][1]),
+                lambda i, s=sg_f, k=keep, kd=keep_device: s[i // 4].filter_batch(k, kd),
+                lambda i, p=pp_f, k=keep, kd=keep_device: p[i // 4].filter_batch(k, kd),
+                lambda i, s=sg_m: s[i // 4][0].merge_batch(s[i // 4][1]),
+                lambda i, p=pp_m: p[i // 4][0].merge_batch(p[i // 4][1]),
             ],
             n,
         )
-        same = equal(pp_f[3], sg_f[3]) and equal(pp_m[3][0], sg_m[3][0])
+        same = equal(pp_f[0], sg_f[0]) and equal(pp_m[0][0], sg_m[0][0])
         sf, pf, sm, pm = spans
         rows.append((bs, sf, pf, _x(sf, pf), sm, pm, _x(sm, pm), same))
     return rows
@@ -268,8 +276,9 @@ def workload(ctx: BenchContext) -> list[Table]:
     common = (
         f"sglang side: {source}",
         f"requests: {params_source}; about 30% of seeds None; new objects every call ({COPIES} sets in turn)",
-        f"host µs per call, median (p10-p90) of {_calls(ctx)} calls, device drained before each; sglang's and "
-        "pinpool's calls alternate; x = sglang µs / pinpool µs",
+        f"host µs per call, median (p10-p90) of {_calls(ctx)} calls, device drained before each (so a ring "
+        "build never waits on a slot's fence); the sides' calls alternate, the one going first rotating; "
+        "x = sglang µs / pinpool µs",
         "ring: from_schedule_batch (tensors in a ring slot, live for the ring's claims); owned: owned=True "
         "(one device allocation and one copy, for a batch that lives across decode steps, as sglang's does)",
     )

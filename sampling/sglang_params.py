@@ -83,7 +83,6 @@ SMALL_BATCH = 8
 _RECORD = struct.Struct("<ffifqHHi")  # RECORD_DTYPE's layout, field for field
 # The vectorised packer packs the four flags below as bits 0-3 of one byte.
 assert (FLAG_GREEDY, FLAG_TOP_P, FLAG_TOP_K, FLAG_MIN_P) == (1, 2, 4, 8)
-_F32 = struct.Struct("<f")
 
 
 def _fields(seeds: bool) -> tuple[str, ...]:
@@ -161,7 +160,7 @@ def _bias(i: int, value: Any) -> Bias | None:
     for key, bias in value.items():
         try:
             token = int(key)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise SamplingParamError(f"'logit_bias' keys of request {i} must be token ids (got {key!r})") from None
         if token < 0 or type(key) is bool:
             raise SamplingParamError(f"'logit_bias' token ids of request {i} must be ints >= 0 (got {key!r})")
@@ -169,7 +168,10 @@ def _bias(i: int, value: Any) -> Bias | None:
             isinstance(bias, (bool, np.bool_)) or not isinstance(bias, (int, float, np.integer, np.floating))
         ):
             raise SamplingParamError(f"'logit_bias' values of request {i} must be real numbers (got {bias!r})")
-        number = float(bias)
+        try:
+            number = float(bias)
+        except OverflowError:  # an int beyond any double
+            number = math.inf
         if not -F32_MAX <= number <= F32_MAX:  # NaN fails both sides
             raise SamplingParamError(
                 f"'logit_bias' values of request {i} must be finite and fit float32 (got {bias!r} for token {token})"
@@ -209,7 +211,10 @@ def _pack_small(
         try:
             raw = (o.temperature, o.top_p, o.top_k, o.min_p, o.sampling_seed if seeds else None, o.logit_bias)
         except AttributeError:
-            raise _missing_field(objs, next(f for f in _fields(seeds) if not hasattr(o, f))) from None
+            name = next(f for f in _fields(seeds) if not hasattr(o, f))
+            raise SamplingParamError(
+                f"'sampling_params' of request {i} must carry sglang's field '{name}' (got {type(o).__name__})"
+            ) from None
         temp = _scalar(i, "temperature", raw[0], False)
         top_p = _scalar(i, "top_p", raw[1], False)
         top_k = _scalar(i, "top_k", raw[2], True)
@@ -230,10 +235,9 @@ def _pack_small(
             temp, top_k = 1.0, 1
         elif top_k == -1:
             top_k = TOP_K_ALL
-        top_p32 = _F32.unpack(_F32.pack(top_p))[0]  # flags read the stored float32, as the numpy path does
         flags = (
             (FLAG_GREEDY if top_k <= 1 else 0)
-            | (FLAG_TOP_P if top_p32 != 1.0 else 0)
+            | (FLAG_TOP_P if top_p != 1.0 else 0)
             | (FLAG_TOP_K if top_k != TOP_K_ALL else 0)
             | (FLAG_MIN_P if min_p > 0 else 0)
             | (FLAG_BIAS if bias is not None else 0)
@@ -265,8 +269,6 @@ def _pack_vectorised(
     try:
         columns = [list(map(_GET[f], objs)) for f in fields]
     except AttributeError:
-        if any(type(o) is SamplingParams for o in objs):  # mixed with native requests: one by one
-            return _pack_small(objs, out, seeds)
         raise _missing_field(objs, next(f for f in fields if not all(hasattr(o, f) for o in objs))) from None
     if seeds:
         temp_l, top_p_l, top_k_l, min_p_l, seed_l, bias_l = columns
@@ -298,7 +300,7 @@ def _pack_vectorised(
     # FLAG_GREEDY, FLAG_TOP_P, FLAG_TOP_K, FLAG_MIN_P are bits 0-3: four rows of bools packed.
     bits = np.empty((4, n), np.bool_)
     np.less_equal(top_k, 1, out=bits[0])
-    np.not_equal(reals[:, 1], 1.0, out=bits[1])  # the stored float32, as the flags of native params
+    np.not_equal(floats[1], 1.0, out=bits[1])  # the double, as sglang's flag and native params compare it
     np.not_equal(top_k, TOP_K_ALL, out=bits[2])
     np.greater(floats[2], 0.0, out=bits[3])
     flags = np.packbits(bits, axis=0, bitorder="little")[0]
@@ -320,11 +322,17 @@ def pack_foreign(
     ``seeds=False``: leave ``sampling_seed`` unread and store the default seed, for a batch
     that samples without seeds (sglang reads them only under deterministic inference).
     Raises ``SamplingParamError`` naming the field, the request and the value, before
-    anything is written.
+    anything is written. Where several values are bad, a batch of up to ``SMALL_BATCH``
+    names the first bad request; a larger one the first bad value of the first field it
+    checks (types, then temperature, top_p, min_p, top_k, then the biases).
     """
+    if SamplingParams in set(map(type, objs)):
+        # Mixed with pinpool's own SamplingParams (their seed is ``seed``, their bias sorted
+        # tuples): each native object gives its own record, one by one.
+        return _pack_small(objs, out, seeds)
     if len(objs) <= SMALL_BATCH:
         try:
             return _pack_small(objs, out, seeds)
-        except OverflowError:  # a float beyond float32 (or a seed beyond int64): the checked path says which
+        except OverflowError:  # a value struct cannot pack: the vectorised path's checks name it
             pass
     return _pack_vectorised(objs, out, seeds)

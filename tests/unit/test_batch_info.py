@@ -177,6 +177,7 @@ def test_an_empty_batch_builds_and_then_merges_and_filters(owned: bool, determin
     assert len(empty) == 0 and empty.temperatures.shape == (0, 1) and empty.top_ks.shape == (0,)
     assert empty.is_all_greedy and not empty.is_any_greedy and not empty.need_top_p_sampling
     assert empty.logit_bias is None and (empty.sampling_seed is not None) == deterministic
+    assert empty.max_top_k is None  # sglang's: None for no requests
     assert pool.stats().copies == 0
     empty.filter_batch([])
     assert len(empty) == 0
@@ -198,6 +199,7 @@ def test_an_empty_batch_builds_and_then_merges_and_filters(owned: bool, determin
         assert torch.equal(getattr(empty, name), getattr(want, name)), name
     empty.filter_batch([])
     assert len(empty) == 0 and empty.logit_bias is None and empty.top_ps.shape == (0,)
+    assert empty.max_top_k is None
 
 
 def test_device_errors() -> None:

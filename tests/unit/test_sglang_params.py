@@ -196,6 +196,8 @@ def test_none_means_sglangs_default() -> None:
         ({"min_p": np.True_}, "'min_p' of request 1 must be a real number (got "),
         ({"top_k": np.True_}, "'top_k' of request 1 must be an int (got "),
         ({"top_p": 10**400}, "'top_p' of request 1 must be finite and fit float32 (got 1000"),
+        ({"logit_bias": {"3": 10**400}}, "'logit_bias' values of request 1 must be finite and fit float32 (got 1000"),
+        ({"logit_bias": {float("inf"): 1.0}}, "'logit_bias' keys of request 1 must be token ids (got inf)"),
     ],
 )
 @pytest.mark.parametrize("bs", [2, sglang_params.SMALL_BATCH + 5])
@@ -233,3 +235,45 @@ def test_an_object_without_sglangs_fields_is_named() -> None:
 
     with pytest.raises(SamplingParamError, match="must carry sglang's field 'top_p'"):
         sglang_params.pack_foreign([Half()])
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("bs", [3, sglang_params.SMALL_BATCH + 4])
+def test_a_mixed_batch_with_a_biased_native_request_builds_either_way(bs: int, deterministic: bool) -> None:
+    """Catches a native SamplingParams in a large sglang-named batch read as if it were sglang's
+    (its sorted bias tuples refused as "not a mapping") when the seeds are not read."""
+    rng = random.Random(bs)
+    pairs = [pair(rng) for _ in range(bs)]
+    native = SamplingParams(top_p=0.5, logit_bias={5: 1.0})
+    mixed = [Req(r) for r, _ in pairs] + [Req(native)]
+    want = [Req(p) for _, p in pairs] + [Req(native)]
+    pool = make_pool()
+    got = SamplingBatchInfo.from_schedule_batch(Batch(mixed), VOCAB, pool, deterministic=deterministic)  # type: ignore[arg-type]
+    assert_same(got, SamplingBatchInfo.from_schedule_batch(Batch(want), VOCAB, pool, deterministic=deterministic))
+
+
+def test_a_missing_field_in_a_mixed_batch_names_the_request_that_lacks_it() -> None:
+    """Catches the error naming a native request (which never has sglang's ``sampling_seed``)
+    instead of the sglang-named one that lacks the field."""
+
+    class NoSeed:
+        temperature, top_p, top_k, min_p, logit_bias = 1.0, 1.0, -1, 0.0, None
+
+    with pytest.raises(
+        SamplingParamError, match="request 1 must carry sglang's field 'sampling_seed' \\(got NoSeed\\)"
+    ):
+        sglang_params.pack_foreign([SamplingParams(), NoSeed()])
+
+
+@pytest.mark.parametrize("bs", [2, sglang_params.SMALL_BATCH + 3])
+def test_the_top_p_flag_compares_the_double_as_sglang_does(bs: int) -> None:
+    """Catches need_top_p_sampling computed from the stored float32: top_p = 0.99999999 rounds to
+    1.0 in float32, but sglang's flag (and pinpool's native params) say top-p is on."""
+    objs = [Raw(top_p=0.99999999)] + [Raw() for _ in range(bs - 1)]
+    info = SamplingBatchInfo.from_schedule_batch(Batch([Req(o) for o in objs]), VOCAB, make_pool())  # type: ignore[misc]
+    native = SamplingBatchInfo.from_schedule_batch(
+        Batch([Req(SamplingParams(top_p=0.99999999))] + [Req(SamplingParams()) for _ in range(bs - 1)]),
+        VOCAB,
+        make_pool(),
+    )
+    assert info.need_top_p_sampling and native.need_top_p_sampling
