@@ -52,9 +52,10 @@ def write_columns(host: np.ndarray[Any, Any], joined: bytes | np.ndarray[Any, An
 
 def views(block: torch.Tensor, bs: int) -> Columns:
     """(temperatures [bs, 1], top_ps, top_ks, min_ps, seeds), each a contiguous view of ``block``."""
-    quad = block[: 4 * bs].view(4, bs)
-    temperature, top_p, _, min_p = quad.view(torch.float32).unbind()  # one call for the four row views
-    return temperature.view(bs, 1), top_p, quad[2], min_p, block[4 * bs :].view(torch.int64)
+    # One call cuts the five columns; the dtype views are the dearest calls left.
+    temperature, top_p, top_k, min_p, seeds = block.split_with_sizes((bs, bs, bs, bs, 2 * bs))
+    f32 = torch.float32
+    return temperature.view(f32).view(bs, 1), top_p.view(f32), top_k, min_p.view(f32), seeds.view(torch.int64)
 
 
 # Ring-staged blocks of the same batch size land at the same slot offsets lap after lap:
