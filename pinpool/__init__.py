@@ -2,7 +2,8 @@
 
 One ``PinnedRingBuffer`` per worker and device. Each ``stage()`` claims a slot, takes
 values into pinned host memory, and lands them on the device with one asynchronous copy;
-``stage(zero_copy=True)`` lets kernels read the pinned slot in place instead.
+``stage(zero_copy=True)`` lets kernels read the pinned slot in place instead. Test tools
+(the stream-aware simulator, ``no_sync``) are in ``pinpool.testing``.
 """
 
 from pinpool.exceptions import (
@@ -27,7 +28,6 @@ from pinpool.settings import OverflowPolicy, PoolSettings
 from pinpool.stage import Stage
 from pinpool.static_inputs import HostImage, StaticField, StaticInputs, StaticStage
 from pinpool.stats import PoolStats
-from pinpool.sync_guard import no_sync
 from pinpool.transport import is_pin_memory_available
 from pinpool.zero_copy import ZeroCopyStage
 
@@ -58,5 +58,4 @@ __all__ = [
     "UnguardedReaderError",
     "ZeroCopyStage",
     "is_pin_memory_available",
-    "no_sync",
 ]

@@ -88,7 +88,7 @@ class PinnedRingBuffer:
         """Allocate the pinned slab, the device mirror and one fence per slot: all the memory it will use.
 
         ``transport``: how copies and fences are made (default: CUDA through torch, or
-        plain host memory on CPU); tests pass ``pinpool.simulated.LaggingGpu``.
+        plain host memory on CPU); tests pass ``pinpool.testing.LaggingGpu``.
         """
         self.settings = settings if settings is not None else PoolSettings()
         self._transport = transport if transport is not None else transport_for(self.settings.device)

@@ -3,7 +3,7 @@
 The ring never calls CUDA itself. It asks a ``Transport`` for memory, fences, stream
 waits and copies, so the same rules run on CUDA (``CudaTransport``), on plain host
 memory (``HostTransport``, rule 7) and on the stream-aware simulator
-(``pinpool.simulated.LaggingGpu``) that the CPU tests drive. One class per path, so a
+(``pinpool.testing.LaggingGpu``) that the CPU tests drive. One class per path, so a
 test of a path exercises exactly it.
 
 Streams are explicit. ``resolve_stream`` turns "the one passed, or the device's current
@@ -18,9 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from pinpool.exceptions import DeviceMismatchError
+from pinpool.exceptions import DeviceMismatchError, HostSyncError
 from pinpool.platform import PlatformReport, check_cuda, in_place_report
-from pinpool.sync_guard import refuse_explicit_sync
 
 Stream = Any  # torch.cuda.Stream on CUDA, None on the host path, a SimStream in the simulator.
 
@@ -89,6 +88,30 @@ class Transport(Protocol):
         Called once, at the creation of a pool with ``PoolSettings(zero_copy=True)``.
         """
         ...
+
+
+class HostWaitGuard:
+    """Whether a pool fence's host wait is refused now: inside ``pinpool.testing.no_sync``.
+
+    The fence waits through a raw binding that torch's sync debug mode does not see, so it
+    asks here. The state lives in the library, and the test tool sets it, so that the
+    library imports no test tool.
+    """
+
+    __slots__ = ("depth",)
+
+    def __init__(self) -> None:
+        #: Open ``no_sync`` blocks (they nest).
+        self.depth = 0
+
+    def refuse(self, what: str) -> None:
+        """Raise ``HostSyncError`` for the host wait ``what`` inside a ``no_sync`` block."""
+        if self.depth:
+            raise HostSyncError(f"{what} inside no_sync()")
+
+
+#: The one guard every pool fence asks before a host wait.
+host_waits = HostWaitGuard()
 
 
 class _NoFence:
@@ -245,7 +268,7 @@ class _CudaFence(torch.cuda.Event):
         return passed
 
     def synchronize(self) -> None:
-        refuse_explicit_sync("a pool fence's synchronize()")
+        host_waits.refuse("a pool fence's synchronize()")
         _synchronize(self)  # sync-ok: callers wait only on a fence they queried as pending
         self.passed = True
 

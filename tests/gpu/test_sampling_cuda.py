@@ -7,7 +7,8 @@ import random
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pinpool import PinnedRingBuffer, PoolSettings, no_sync
+from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool.testing import no_sync
 from sampling import Sampler, SamplingBatchInfo
 from tests.fakes import Batch, Req, random_params
 
