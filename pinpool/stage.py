@@ -14,21 +14,18 @@ from __future__ import annotations
 import math
 import struct
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from pinpool.encode import NUMPY_DTYPE, PACKERS, as_source, check_dtype, packer_for, write, write_list
 from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
-from pinpool.readback import Landing
-from pinpool.settings import OverflowPolicy
+from pinpool.platform import PlatformReport
+from pinpool.readback import Landing, Readback, SlotReads
+from pinpool.settings import OverflowPolicy, PoolSettings
 from pinpool.slots import BoundedCache, SlotLayout
 from pinpool.transport import Fence, Stream
-
-if TYPE_CHECKING:
-    from pinpool.readback import Readback
-    from pinpool.ring import PinnedRingBuffer
 
 _ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in [*NUMPY_DTYPE, torch.bfloat16]}
 _NUMPY_ITEMSIZE = {d: _ITEMSIZE[d] for d in NUMPY_DTYPE}
@@ -41,7 +38,51 @@ LANDING_TAG = {torch.int64: 0, torch.int32: 1, torch.float32: 2}
 _OFFSETS: BoundedCache[tuple[int, int], np.ndarray[Any, Any]] = BoundedCache()
 
 
-def landing_itemsize(pool: PinnedRingBuffer, dtype: torch.dtype) -> int:
+class SlotInterface(SlotReads, Protocol):
+    """What a stage asks of its ring: the ring's slot interface (``PinnedRingBuffer`` is the one implementation).
+
+    Typed here, beside its users (``Stage``, ``Exchange``, ``ZeroCopyStage``, ``StaticInputs``'
+    landings), so that the stage modules never import the ring: the ring imports them.
+    """
+
+    @property
+    def settings(self) -> PoolSettings: ...
+
+    @property
+    def platform(self) -> PlatformReport: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def can_land(self) -> bool: ...
+
+    def slot_fence(self, slot: int) -> Fence: ...
+
+    def retain(self, slot: int, objs: tuple[Any, ...]) -> None: ...
+
+    def spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor: ...
+
+    def issue_copy(self, st: Stage) -> None: ...
+
+    def finish_stage(self, st: Stage, ok: bool) -> None: ...
+
+    def finish_zero_copy(self, st: Stage, ok: bool) -> None: ...
+
+    def readback_views(self, slot: int, src: torch.Tensor, offset: int) -> tuple[torch.Tensor, Any, int]: ...
+
+    def copy_back(
+        self,
+        slot: int,
+        generation: int,
+        src: torch.Tensor,
+        offset: int,
+        stream: Stream,
+        views: tuple[torch.Tensor, Any, int] | None = None,
+    ) -> Readback: ...
+
+
+def landing_itemsize(pool: SlotInterface, dtype: torch.dtype) -> int:
     """The size of a landed ``dtype`` value, once the pool's kernels may write its slots; typed errors else."""
     if not pool.can_land:
         raise pool.platform.refusal(pool.device)  # PoolStateError / PlatformError, saying why
@@ -112,7 +153,7 @@ class Stage:
 
     def __init__(
         self,
-        pool: PinnedRingBuffer,
+        pool: SlotInterface,
         layout: SlotLayout,
         slot: int,
         generation: int,
@@ -187,7 +228,7 @@ class Stage:
 
     # -- staging -----------------------------------------------------------------------
     @property
-    def pool(self) -> PinnedRingBuffer:
+    def pool(self) -> SlotInterface:
         """The pool this stage belongs to (a library building into a caller's stage checks it)."""
         return self._pool
 
