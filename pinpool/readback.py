@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from pinpool.exceptions import PoolStateError, StaleLeaseError
+from pinpool.slots import VIEW_LIFETIME
 from pinpool.transport import Fence
 
 
@@ -70,7 +71,7 @@ class Readback:
     def _stale(self) -> StaleLeaseError:
         return StaleLeaseError(
             f"{type(self).__name__.lower()} of generation {self.generation} (slot {self.slot}) was read after the "
-            "slot was recycled; read it within num_slots - 1 further claims of the ring"
+            f"slot was recycled; read it within {VIEW_LIFETIME}"
         )
 
     def _landed(self) -> None:
@@ -89,7 +90,7 @@ class Landing(Readback):
     covers it is recorded when the stage closes, so the handle is readable only after a
     successful close; reading it before, or after an aborted stage, raises
     ``PoolStateError``. Then it reads like a ``Readback`` (``values``, ``tolist``,
-    ``ready``), within ``num_slots - 1`` further claims of the pool.
+    ``ready``), within ``num_slots - 1`` further claims of the ring (``VIEW_LIFETIME``).
     """
 
     __slots__ = ("armed",)

@@ -14,6 +14,7 @@ again.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -88,6 +89,19 @@ class Transport(Protocol):
         Called once, at the creation of a pool with ``PoolSettings(zero_copy=True)``.
         """
         ...
+
+
+def wait_for_streams(transport: Transport, waiter: Stream, others: Iterable[tuple[Stream, Fence]]) -> None:
+    """Make ``waiter`` wait, on the device, for the work queued so far on each other stream: never a host wait.
+
+    ``others``: (stream, a fence of its own to record there). A stream that is ``waiter``
+    itself is skipped: stream order covers it. The one home of this wait: the ring's
+    hand-off and consumer guards and a ``StaticInputs`` block's writer and readers use it.
+    """
+    for other, fence in others:
+        if not transport.same_stream(other, waiter):
+            fence.record(other)
+            transport.stream_wait(waiter, fence)
 
 
 class HostWaitGuard:
