@@ -441,7 +441,7 @@ class Stage:
         # address column land at the same bytes of this slot. They are built once (numpy,
         # the checks) and kept with the slot's layout; a step then copies the column's bytes
         # into place, with no numpy call: right after a step's launches numpy's first calls
-        # run cold, and measured ten times their cost alone (2026-11-30). A plan exists only
+        # run cold, at many times their cost alone. A plan exists only
         # for arguments that passed every check below, on a pool whose kernels may land.
         layout = self._layout
         plan = None

@@ -471,8 +471,8 @@ class StaticStage:
         start = st.claim_landing(live * itemsize, name=name)
         # A step repeats (slot, landing offset, rows, live, dtype): the address column's
         # bytes, where they go and the typed view are built once and kept, as the block's
-        # host views are; a step then copies the bytes into place with no numpy call (cold
-        # right after a step's launches: measured at ten times its cost alone, 2026-11-30).
+        # host views are; a step then copies the bytes into place with no numpy call (numpy
+        # runs cold right after a step's launches, at many times its cost alone).
         key = (st.slot, start, self.rows, live, dtype, i)
         hit = block.landing_views.get(key)
         if hit is None:

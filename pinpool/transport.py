@@ -205,7 +205,7 @@ _query = getattr(_event_base, "query", _no_cuda)
 _synchronize = getattr(_event_base, "synchronize", _no_cuda)
 # Setting a device's current stream (it also makes that device current), and the current
 # device. ``torch.cuda.stream(...)`` does the same through several Python-level device
-# lookups: about 30 µs per use measured on an H200 host (2026-11-30), per step.
+# lookups, each paid on every step that switches streams.
 _set_stream = getattr(torch._C, "_cuda_setStream", None)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
 _set_device = getattr(torch._C, "_cuda_setDevice", None)
