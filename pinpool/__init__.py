@@ -2,7 +2,8 @@
 
 One ``PinnedRingBuffer`` per worker and device. Each ``stage()`` claims a slot, takes
 values into pinned host memory, and lands them on the device with one asynchronous copy;
-``stage(zero_copy=True)`` lets kernels read the pinned slot in place instead.
+``stage(zero_copy=True)`` lets kernels read the pinned slot in place instead. Test tools
+(the stream-aware simulator, ``no_sync``) are in ``pinpool.testing``.
 """
 
 #: The one place the version is written: pyproject.toml reads it (``[tool.setuptools.dynamic]``).
@@ -30,7 +31,6 @@ from pinpool.settings import OverflowPolicy, PoolSettings
 from pinpool.stage import Stage
 from pinpool.static_inputs import HostImage, StaticField, StaticInputs, StaticStage
 from pinpool.stats import PoolStats
-from pinpool.sync_guard import no_sync
 from pinpool.transport import is_pin_memory_available
 from pinpool.zero_copy import ZeroCopyStage
 
@@ -61,5 +61,4 @@ __all__ = [
     "UnguardedReaderError",
     "ZeroCopyStage",
     "is_pin_memory_available",
-    "no_sync",
 ]

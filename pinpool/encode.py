@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pinpool.cache import BoundedCache
 from pinpool.exceptions import DeviceMismatchError, StagingTypeError, StagingValueError
 
 #: torch dtype -> numpy dtype of the host view. bfloat16 has no numpy twin and is
@@ -34,6 +35,17 @@ NUMPY_DTYPE: dict[torch.dtype, np.dtype[Any]] = {
 SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset([*NUMPY_DTYPE, torch.bfloat16])
 _INT_RANGE = {d: (int(np.iinfo(d).min), int(np.iinfo(d).max)) for d in NUMPY_DTYPE.values() if d.kind in "iu"}
 TORCH_DTYPE: dict[np.dtype[Any], torch.dtype] = {v: k for k, v in NUMPY_DTYPE.items()}
+
+
+def int_in_range(value: Any, low: int, high: int | None = None) -> bool:
+    """Whether ``value`` is an int, not a bool, with ``low <= value`` (and ``value <= high``).
+
+    The one integer check of the pool's arguments (counts, sizes, offsets, rows). A bool is
+    an int subclass but never a count; numpy integers are refused as before.
+    """
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)):
+        return False
+    return low <= value and (high is None or value <= high)
 
 
 def check_dtype(dtype: Any, name: str) -> torch.dtype:
@@ -110,8 +122,7 @@ def write(dst: np.ndarray[Any, Any] | torch.Tensor, src: Any, target: torch.dtyp
 # Lists of these dtypes go through ``struct`` first (``Stage.put``'s hot path).
 _STRUCT_CODE = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d"}
 #: (dtype, numel) -> the ``struct.Struct`` that packs a list of that length, built on first use.
-#: Emptied past 256 entries (the ring's one cache policy, ``pinpool.slots.BoundedCache``).
-PACKERS: dict[tuple[torch.dtype, int], struct.Struct] = {}
+PACKERS: BoundedCache[tuple[torch.dtype, int], struct.Struct] = BoundedCache()
 
 
 def packer_for(dtype: torch.dtype, numel: int) -> struct.Struct | None:
@@ -131,10 +142,7 @@ def packer_for(dtype: torch.dtype, numel: int) -> struct.Struct | None:
     code = _STRUCT_CODE.get(dtype)
     if code is None:
         return None
-    if len(PACKERS) >= 256:
-        PACKERS.clear()
-    packer = PACKERS[(dtype, numel)] = struct.Struct(f"={numel}{code}")
-    return packer
+    return PACKERS.put((dtype, numel), struct.Struct(f"={numel}{code}"))
 
 
 def write_list(dst: np.ndarray[Any, Any], src: Any, target: torch.dtype, name: str) -> None:

@@ -8,15 +8,24 @@ N+1), so the wait in ``values()`` is normally already satisfied.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from pinpool.exceptions import PoolStateError, StaleLeaseError
+from pinpool.slots import VIEW_LIFETIME
 from pinpool.transport import Fence
 
-if TYPE_CHECKING:
-    from pinpool.ring import PinnedRingBuffer
+
+class SlotReads(Protocol):
+    """What a read-back handle asks of its ring (``PinnedRingBuffer`` is the one implementation).
+
+    Typed here, beside its user, so that this module never imports the ring: the ring imports it.
+    """
+
+    def slot_generation(self, slot: int) -> int: ...
+
+    def wait_for_readback(self, fence: Fence) -> None: ...
 
 
 class Readback:
@@ -31,7 +40,7 @@ class Readback:
 
     __slots__ = ("_fence", "_host", "_landed_seen", "_pool", "generation", "slot")
 
-    def __init__(self, pool: PinnedRingBuffer, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any]):
+    def __init__(self, pool: SlotReads, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any]):
         self._pool = pool
         self.slot = slot
         self.generation = generation
@@ -62,7 +71,7 @@ class Readback:
     def _stale(self) -> StaleLeaseError:
         return StaleLeaseError(
             f"{type(self).__name__.lower()} of generation {self.generation} (slot {self.slot}) was read after the "
-            "slot was recycled; read it within num_slots - 1 further claims of the ring"
+            f"slot was recycled; read it within {VIEW_LIFETIME}"
         )
 
     def _landed(self) -> None:
@@ -81,12 +90,12 @@ class Landing(Readback):
     covers it is recorded when the stage closes, so the handle is readable only after a
     successful close; reading it before, or after an aborted stage, raises
     ``PoolStateError``. Then it reads like a ``Readback`` (``values``, ``tolist``,
-    ``ready``), within ``num_slots - 1`` further claims of the pool.
+    ``ready``), within ``num_slots - 1`` further claims of the ring (``VIEW_LIFETIME``).
     """
 
     __slots__ = ("armed",)
 
-    def __init__(self, pool: PinnedRingBuffer, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any]):
+    def __init__(self, pool: SlotReads, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any]):
         # ``Readback.__init__``'s fields, set here without the extra call: a decode step
         # makes one of these right after its launches, when every call runs cold.
         self._pool = pool

@@ -28,7 +28,8 @@ import attrs
 import numpy as np
 import torch
 
-from pinpool.encode import NUMPY_DTYPE, write
+from pinpool.cache import BoundedCache
+from pinpool.encode import NUMPY_DTYPE, int_in_range, write
 from pinpool.exceptions import (
     CapacityError,
     DeviceMismatchError,
@@ -41,10 +42,10 @@ from pinpool.log import get_logger
 from pinpool.platform import PlatformReport
 from pinpool.readback import Readback
 from pinpool.settings import PoolSettings
-from pinpool.slots import BoundedCache, SlotLayout
+from pinpool.slots import SlotLayout, align_up
 from pinpool.stage import Stage
 from pinpool.stats import Counters, PoolStats
-from pinpool.transport import Fence, Stream, Transport, transport_for
+from pinpool.transport import Fence, Stream, Transport, transport_for, wait_for_streams
 from pinpool.zero_copy import ZeroCopyStage, refuse_unregistered_reader
 
 _log = get_logger("pinpool")
@@ -89,7 +90,7 @@ class PinnedRingBuffer:
         """Allocate the pinned slab, the device mirror and one fence per slot: all the memory it will use.
 
         ``transport``: how copies and fences are made (default: CUDA through torch, or
-        plain host memory on CPU); tests pass ``pinpool.simulated.LaggingGpu``.
+        plain host memory on CPU); tests pass ``pinpool.testing.LaggingGpu``.
         """
         if settings is not None and not isinstance(settings, PoolSettings):
             raise SettingsTypeError(
@@ -218,8 +219,9 @@ class PinnedRingBuffer:
     def claims(self) -> int:
         """Slots claimed so far: every stage (owned or not) and every ``pool.readback``.
 
-        The lifetime unit of rule 2: a ring view stays valid until ``num_slots - 1``
-        further claims, whoever makes them, a library call's hidden stages included.
+        The lifetime unit of rule 2: a ring view stays valid for ``num_slots - 1`` further
+        claims of the ring (``VIEW_LIFETIME``), whoever makes them, a library call's hidden
+        stages included.
         """
         return self._generation
 
@@ -320,7 +322,7 @@ class PinnedRingBuffer:
 
         Same rules as a stage: the stream is fixed now, the slot's fence is waited on
         before its host region is written (rule 1) and recorded after the copy. The values
-        stay readable until ``num_slots - 1`` further claims.
+        stay readable for ``num_slots - 1`` further claims of the ring (``VIEW_LIFETIME``).
         """
         self._check_usable()
         stream, capturing = self._resolve_for_stage(stream)
@@ -673,38 +675,28 @@ class PinnedRingBuffer:
 
     def _fence_readers(self, st: Stage) -> None:
         """The fence of a zero-copy slot: after the readers on the stage's stream and on every consumer."""
-        stream = st.stream
-        if not self._consumers:  # the common case: the stage's stream alone
-            self._fences[st.slot].record(stream)
-            return
-        transport = self._transport
-        for consumer, fences in self._consumers:
-            if transport.same_stream(consumer, stream):
-                continue
+        if self._consumers:
             # A registered consumer's kernels read the slot in place: the stage's stream waits
             # for the work queued there so far (on the device), so the slot fence after it
             # covers them. The same device-side wait a copy stage makes at claim.
-            fences[st.slot].record(consumer)
-            transport.stream_wait(stream, fences[st.slot])
-        self._fences[st.slot].record(stream)
+            self._wait_for_consumers(st.slot, st.stream)
+        self._fences[st.slot].record(st.stream)
 
     def _hand_off(self, slot: int, last: Stream, stream: Stream) -> None:
-        handoff = self._handoff[slot]
-        handoff.record(last)
-        self._transport.stream_wait(stream, handoff)
+        """``stream`` waits, on the device, for the work queued so far on ``slot``'s previous user's stream."""
+        wait_for_streams(self._transport, stream, ((last, self._handoff[slot]),))
+
+    def _wait_for_consumers(self, slot: int, stream: Stream) -> None:
+        """``stream`` waits, on the device, for the work queued so far on every registered consumer stream."""
+        wait_for_streams(self._transport, stream, [(consumer, fences[slot]) for consumer, fences in self._consumers])
 
     def _guard_consumers(self, slot: int, stream: Stream) -> None:
         # Rule 2, registered consumer streams: their queued work must finish before the
         # region is overwritten.
-        transport = self._transport
-        for consumer, fences in self._consumers:
-            if transport.same_stream(consumer, stream):
-                continue
-            fences[slot].record(consumer)
-            transport.stream_wait(stream, fences[slot])
+        self._wait_for_consumers(slot, stream)
         if self.settings.debug:
             # Poison the recycled region so a stale raw view reads NaN / -1, not old data.
-            transport.fill(self._layouts[slot].device_raw, _POISON_BYTE, stream)
+            self._transport.fill(self._layouts[slot].device_raw, _POISON_BYTE, stream)
 
     def _drain(self) -> None:
         """Wait for everything that may still read or write the pool's memory: teardown only.
@@ -783,13 +775,12 @@ class PinnedRingBuffer:
             return owned
         if owned_bytes is None:
             return None
-        if isinstance(owned_bytes, bool) or not isinstance(owned_bytes, int) or owned_bytes < 1:
+        if not int_in_range(owned_bytes, 1):
             raise PoolStateError(f"'owned_bytes' must be an int >= 1 (got {owned_bytes!r})")
-        align = self.settings.alignment
         self._counters.device_allocations += 1
         # Allocated for the stage's stream, which writes it: a block taken from the current
         # stream's pool could still be read there by work queued before it was freed.
-        return self._transport.alloc_device((owned_bytes + align - 1) // align * align, stream)
+        return self._transport.alloc_device(align_up(owned_bytes, self._alignment), stream)
 
     def _stall(self, slot: int, fence: Fence) -> None:
         start = time.perf_counter()

@@ -2,36 +2,32 @@
 
 A ``SlotLayout`` is the part of the ring a ``Stage`` writes through. The ring builds one
 per slot at construction, so a put is a dictionary lookup and a slice, never an
-allocation. ``BoundedCache`` is the one cache policy the ring uses for views it makes
-on demand: a decode loop repeats the same layout every step, so hits are the rule, and a
-caller whose layout keeps changing starts a fresh cache instead of growing without end.
+allocation; the views it makes on demand are kept under the one cache policy
+(``pinpool.cache.BoundedCache``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
+from pinpool.cache import BoundedCache
 from pinpool.encode import NUMPY_DTYPE
 
-K = TypeVar("K")
-V = TypeVar("V")
+#: How long a ring view lives (a stage's device views, a read-back's or a landing's values),
+#: said once: every docstring says these words and every error message interpolates them.
+#: Claims take the slots in turn, so a view's slot comes round again on the ``num_slots``-th
+#: claim after its own and the claims between leave it alone. Every claim counts
+#: (``PinnedRingBuffer.claims``): stages, owned stages, read-backs, and the stages that
+#: library calls make inside.
+VIEW_LIFETIME = "num_slots - 1 further claims of the ring"
 
-#: Entries per cache. A decode loop uses a handful per slot; past this, the caller's
-#: layout is not repeating and the cache starts over (bounded memory, one rule).
-CACHE_LIMIT = 256
 
-
-class BoundedCache(dict[K, V], Generic[K, V]):
-    """A dict that empties itself when a new key would take it past ``CACHE_LIMIT``."""
-
-    def put(self, key: K, value: V) -> V:
-        if len(self) >= CACHE_LIMIT:
-            self.clear()
-        self[key] = value
-        return value
+def align_up(nbytes: int, align: int) -> int:
+    """The first multiple of ``align`` at or past ``nbytes``: where the next claim in a slot (or a field) starts."""
+    return (nbytes + align - 1) // align * align
 
 
 class SlotLayout:

@@ -3,8 +3,8 @@
 Values are written into the slot's pinned host region as they arrive; the matching
 device views are handed back at once, and the data lands there with the stage's single
 copy (issued by ``flush()`` or on exit), on the stream fixed when the stage opened.
-Device views of a ring stage stay valid for ``num_slots - 1`` further claims of the
-ring (stages, owned stages, read-backs, library calls' own stages: see
+Device views of a ring stage stay valid for ``num_slots - 1`` further claims of the ring
+(``VIEW_LIFETIME``: stages, owned stages, read-backs, library calls' own stages; see
 ``PinnedRingBuffer.claims``); ``is_live`` / ``check_live`` say whether the slot has
 been recycled since.
 """
@@ -14,21 +14,19 @@ from __future__ import annotations
 import math
 import struct
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from pinpool.encode import NUMPY_DTYPE, PACKERS, as_source, check_dtype, packer_for, write, write_list
+from pinpool.cache import BoundedCache
+from pinpool.encode import NUMPY_DTYPE, PACKERS, as_source, check_dtype, int_in_range, packer_for, write, write_list
 from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
-from pinpool.readback import Landing
-from pinpool.settings import OverflowPolicy
-from pinpool.slots import BoundedCache, SlotLayout
+from pinpool.platform import PlatformReport
+from pinpool.readback import Landing, Readback, SlotReads
+from pinpool.settings import OverflowPolicy, PoolSettings
+from pinpool.slots import VIEW_LIFETIME, SlotLayout, align_up
 from pinpool.transport import Fence, Stream
-
-if TYPE_CHECKING:
-    from pinpool.readback import Readback
-    from pinpool.ring import PinnedRingBuffer
 
 _ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in [*NUMPY_DTYPE, torch.bfloat16]}
 _NUMPY_ITEMSIZE = {d: _ITEMSIZE[d] for d in NUMPY_DTYPE}
@@ -41,7 +39,51 @@ LANDING_TAG = {torch.int64: 0, torch.int32: 1, torch.float32: 2}
 _OFFSETS: BoundedCache[tuple[int, int], np.ndarray[Any, Any]] = BoundedCache()
 
 
-def landing_itemsize(pool: PinnedRingBuffer, dtype: torch.dtype) -> int:
+class SlotInterface(SlotReads, Protocol):
+    """What a stage asks of its ring: the ring's slot interface (``PinnedRingBuffer`` is the one implementation).
+
+    Typed here, beside its users (``Stage``, ``Exchange``, ``ZeroCopyStage``, ``StaticInputs``'
+    landings), so that the stage modules never import the ring: the ring imports them.
+    """
+
+    @property
+    def settings(self) -> PoolSettings: ...
+
+    @property
+    def platform(self) -> PlatformReport: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def can_land(self) -> bool: ...
+
+    def slot_fence(self, slot: int) -> Fence: ...
+
+    def retain(self, slot: int, objs: tuple[Any, ...]) -> None: ...
+
+    def spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor: ...
+
+    def issue_copy(self, st: Stage) -> None: ...
+
+    def finish_stage(self, st: Stage, ok: bool) -> None: ...
+
+    def finish_zero_copy(self, st: Stage, ok: bool) -> None: ...
+
+    def readback_views(self, slot: int, src: torch.Tensor, offset: int) -> tuple[torch.Tensor, Any, int]: ...
+
+    def copy_back(
+        self,
+        slot: int,
+        generation: int,
+        src: torch.Tensor,
+        offset: int,
+        stream: Stream,
+        views: tuple[torch.Tensor, Any, int] | None = None,
+    ) -> Readback: ...
+
+
+def landing_itemsize(pool: SlotInterface, dtype: torch.dtype) -> int:
     """The size of a landed ``dtype`` value, once the pool's kernels may write its slots; typed errors else."""
     if not pool.can_land:
         raise pool.platform.refusal(pool.device)  # PoolStateError / PlatformError, saying why
@@ -112,7 +154,7 @@ class Stage:
 
     def __init__(
         self,
-        pool: PinnedRingBuffer,
+        pool: SlotInterface,
         layout: SlotLayout,
         slot: int,
         generation: int,
@@ -187,7 +229,7 @@ class Stage:
 
     # -- staging -----------------------------------------------------------------------
     @property
-    def pool(self) -> PinnedRingBuffer:
+    def pool(self) -> SlotInterface:
         """The pool this stage belongs to (a library building into a caller's stage checks it)."""
         return self._pool
 
@@ -230,8 +272,7 @@ class Stage:
                     if device is None:
                         device = self._device_view(dtype, first, numel)
                     end = self.used_bytes = start + packer.size
-                    align = self._align
-                    self._cursor = (end + align - 1) // align * align
+                    self._cursor = align_up(end, self._align)
                     return device
         if type(values) is list and dtype in _NUMPY_ITEMSIZE and not (values and type(values[0]) in _NESTED):
             # A flat list struct would not pack (a dtype it has no code for, a value it
@@ -245,8 +286,7 @@ class Stage:
                 write_list(self._layout.host[dtype][first : first + numel], values, dtype, name)
                 device = self._device_view(dtype, first, numel)
                 self.used_bytes = end
-                align = self._align
-                self._cursor = (end + align - 1) // align * align
+                self._cursor = align_up(end, self._align)
                 return device
             shape: tuple[int, ...] = (numel,)
             src, target = values, dtype
@@ -268,8 +308,7 @@ class Stage:
                 layout.host_bytes[base : base + numel * itemsize] = values.view(np.uint8)  # type: ignore[call-overload]  # numpy arrays are buffers
                 device = self._device_view(dtype, start // itemsize, numel)
                 self.used_bytes = end
-                align = self._align
-                self._cursor = (end + align - 1) // align * align
+                self._cursor = align_up(end, self._align)
                 return device
             src, target, shape = as_source(values, dtype, name)
             numel = math.prod(shape)
@@ -295,7 +334,7 @@ class Stage:
         target = check_dtype(dtype, name)
         if target not in _NUMPY_ITEMSIZE:
             raise StagingTypeError(f"'{name}' reserve() needs a numpy dtype (got {target}); use put() for it")
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        if not int_in_range(numel, 0):
             raise StagingValueError(f"'{name}' numel must be an int >= 0 (got {numel!r})")
         host, device = self._claim(numel, target, name, None)
         assert isinstance(host, np.ndarray)
@@ -320,14 +359,13 @@ class Stage:
         """
         if not self._open or self.flushed:
             self._check_open()  # raises
-        if (type(nbytes) is not int and (isinstance(nbytes, bool) or not isinstance(nbytes, int))) or nbytes < 0:
+        if not int_in_range(nbytes, 0):
             raise StagingValueError(f"'{name}' nbytes must be an int >= 0 (got {nbytes!r})")
         start = self._cursor
         if start + nbytes > min(self._capacity, self._tail):
             raise CapacityError(self._capacity_message(nbytes, name))
         end = self.used_bytes = start + nbytes
-        align = self._align
-        self._cursor = (end + align - 1) // align * align
+        self._cursor = align_up(end, self._align)
         return start
 
     def reserve_landing(self, nbytes: int, *, name: str = "landing") -> tuple[int, np.ndarray[Any, Any]]:
@@ -351,7 +389,7 @@ class Stage:
         """``reserve_landing`` without building its views: the claimed bytes' offset in the slot."""
         if not self._open:
             self._check_open()  # raises: closed
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        if not int_in_range(nbytes, 0):
             raise StagingValueError(f"'{name}' nbytes must be an int >= 0 (got {nbytes!r})")
         align = self._align
         start = (self._tail - nbytes) // align * align
@@ -378,7 +416,7 @@ class Stage:
             )
         nbytes = len(data)
         # The memoryview spans the whole slab: a write past this slot would land in another one.
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset + nbytes > self._tail:
+        if not int_in_range(offset, 0, self._tail - nbytes):
             raise CapacityError(
                 f"'data' ({nbytes} bytes at offset {offset!r}) must lie in this slot's first {self._tail} bytes"
             )
@@ -396,14 +434,14 @@ class Stage:
         view to the kernel that writes them (``pinpool.landing.land``, or the sampler's
         ``land_to``). Call it before ``flush``; launch that kernel before close, on the
         stage's stream or a registered consumer stream (close fences after both). The
-        handle reads the values after a successful close, within ``num_slots - 1``
-        further claims. Needs ``pool.can_land`` (``PoolSettings(zero_copy=True)``).
+        handle reads the values after a successful close, within ``num_slots - 1`` further
+        claims of the ring (``VIEW_LIFETIME``). Needs ``pool.can_land`` (``PoolSettings(zero_copy=True)``).
         """
         # A step repeats its layout: with the same cursor, tail and size, the landing and its
         # address column land at the same bytes of this slot. They are built once (numpy,
         # the checks) and kept with the slot's layout; a step then copies the column's bytes
         # into place, with no numpy call: right after a step's launches numpy's first calls
-        # run cold, and measured ten times their cost alone (2026-11-30). A plan exists only
+        # run cold, at many times their cost alone. A plan exists only
         # for arguments that passed every check below, on a pool whose kernels may land.
         layout = self._layout
         plan = None
@@ -417,7 +455,7 @@ class Stage:
             plan = layout.landings.get((self._cursor, self._tail, self._capacity, numel, dtype))
         if plan is None:
             landing_itemsize(self._pool, dtype)  # raises where kernels may not write the slots, or for the dtype
-            if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            if not int_in_range(numel, 0):
                 raise StagingValueError(f"'{name}' numel must be an int >= 0 (got {numel!r})")
             self._check_open()
             key = (self._cursor, self._tail, self._capacity, numel, dtype)
@@ -433,8 +471,7 @@ class Stage:
         base = layout.host_base + offset
         layout.host_bytes[base : base + len(column)] = column
         self._tail, self.landings, self.used_bytes = tail, True, end
-        align = self._align
-        self._cursor = (end + align - 1) // align * align
+        self._cursor = align_up(end, self._align)
         handle = Landing(self._pool, self.slot, self.generation, fence, values)
         self._landings.append(handle)
         return addresses, handle
@@ -503,8 +540,8 @@ class Stage:
         both directions instead of two. The fence is recorded here, after this copy, so
         call it last: kernels that read the stage's data or its retained tensors must be
         launched before it, and nothing can be put or retained after it. Several
-        read-backs may follow each other. Read the handle within ``num_slots`` stages,
-        like ``pool.readback``.
+        read-backs may follow each other. Read the handle within ``num_slots - 1`` further
+        claims of the ring (``VIEW_LIFETIME``), like ``pool.readback``.
         """
         return self.readback_planned(src, self.readback_plan(src))
 
@@ -516,8 +553,7 @@ class Stage:
         """
         if not self._open:
             self._check_open()
-        align = self._align
-        offset = (self._cursor + align - 1) // align * align
+        offset = align_up(self._cursor, self._align)
         views = self._pool.readback_views(self.slot, src, offset)  # typed errors for a src it cannot copy
         if offset + views[2] > self._tail:
             raise CapacityError(
@@ -549,7 +585,7 @@ class Stage:
             raise StaleLeaseError(
                 f"{what} of stage {self.generation} (slot {self.slot}) was used after the slot was "
                 f"recycled by claim {self._pool.slot_generation(self.slot)}; use an owned stage "
-                "(pool.stage(owned_bytes=...)) for data that outlives num_slots stages"
+                f"(pool.stage(owned_bytes=...)) for data that must outlive {VIEW_LIFETIME}"
             )
 
     # -- internals ---------------------------------------------------------------------
@@ -583,8 +619,7 @@ class Stage:
 
     def _commit_claim(self, numel: int, dtype: torch.dtype) -> None:
         self.used_bytes = self._cursor + numel * _ITEMSIZE[dtype]
-        align = self._align
-        self._cursor = (self.used_bytes + align - 1) // align * align
+        self._cursor = align_up(self.used_bytes, self._align)
 
     def _capacity_message(self, nbytes: int, name: str) -> str:
         limit = "owned buffer" if self.owned and self._capacity < self._pool.settings.slot_bytes else "slot"

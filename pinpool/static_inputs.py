@@ -35,13 +35,14 @@ import attrs
 import numpy as np
 import torch
 
-from pinpool.encode import NUMPY_DTYPE, as_source, write
+from pinpool.cache import BoundedCache
+from pinpool.encode import NUMPY_DTYPE, as_source, int_in_range, write
 from pinpool.exceptions import PoolStateError, SettingsError, StagingTypeError, StagingValueError
 from pinpool.readback import Landing, Readback
 from pinpool.ring import PinnedRingBuffer
-from pinpool.slots import BoundedCache
+from pinpool.slots import align_up
 from pinpool.stage import LAND_WITHOUT_FLUSH, Stage, landing_itemsize, landing_offsets
-from pinpool.transport import Fence, Stream
+from pinpool.transport import Fence, Stream, wait_for_streams
 
 #: Each field's first byte is aligned to this, whatever the dtypes around it.
 FIELD_ALIGN = 16
@@ -74,7 +75,7 @@ class StaticInputs:
     """One device allocation of graph inputs, restaged in place by one copy per step."""
 
     def __init__(self, pool: PinnedRingBuffer, fields: Sequence[StaticField], max_rows: int) -> None:
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        if not int_in_range(max_rows, 1):
             raise SettingsError(f"'max_rows' must be an int >= 1 (got {max_rows!r})")
         fields = tuple(fields)
         if not fields or not all(isinstance(f, StaticField) for f in fields):
@@ -151,8 +152,7 @@ class StaticInputs:
     def host_image(self, rows: int, live: int) -> HostImage:
         """A plain host copy of the layout for (``rows``, ``live``), padding already written."""
         self._check_rows(rows)
-        if isinstance(live, bool) or not isinstance(live, int) or not 0 <= live <= rows:
-            raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
+        self._check_live(rows, live)
         return HostImage(self, rows, live)
 
     # -- streams -----------------------------------------------------------------------
@@ -162,11 +162,9 @@ class StaticInputs:
         stream = transport.resolve_stream(stream)
         if any(transport.same_stream(r, stream) for r in self._readers):
             return
-        if not transport.same_stream(self._writer, stream):
-            # What the block holds now may still be landing on the writer's stream: the new
-            # reader's next work waits for it, as it will for every later copy.
-            self._writer_fence.record(self._writer)
-            transport.stream_wait(stream, self._writer_fence)
+        # What the block holds now may still be landing on the writer's stream: the new
+        # reader's next work waits for it, as it will for every later copy.
+        wait_for_streams(transport, stream, ((self._writer, self._writer_fence),))
         self._readers.append(stream)
         self._read_fences.append(self._transport.new_fence())
         self._note_stream(stream)
@@ -183,14 +181,8 @@ class StaticInputs:
 
         The stream is fixed now (rule 2): the one passed, or the pool device's current one.
         """
-        # type() is int: a bool (an int subclass) is refused as it should be, and the
-        # common case costs two comparisons.
-        if type(rows) is not int or not 1 <= rows <= self.max_rows:
-            self._check_rows(rows)
-        if (type(live) is not int or not 0 <= live <= rows) and (
-            isinstance(live, bool) or not isinstance(live, int) or not 0 <= live <= rows
-        ):
-            raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
+        self._check_rows(rows)
+        self._check_live(rows, live)
         if self._open is not None:
             raise PoolStateError("a StaticInputs stage is already open: close it before opening the next")
         st = self.pool.stage(stream=stream, owned=self.device_block, reuse_owned=True)
@@ -233,7 +225,7 @@ class StaticInputs:
         st = sst.stage
         if not sst.flushed and not ok:
             # Nothing copied: the block keeps the last copied step's values, its landing addresses
-            # included, which point into that step's slot (reused num_slots claims later):
+            # included, which point into that step's slot (reused after VIEW_LIFETIME):
             # replaying after an aborted step would store there (README, rule 9).
             st.close(ok=False)
             return
@@ -258,11 +250,10 @@ class StaticInputs:
             # Before the copy overwrites the block: the previous readers' work must be done.
             self.wait_for_readers(stream)
         writer = self._writer
-        if writer is not stream and not transport.same_stream(writer, stream):
+        if writer is not stream:
             # A change of stream (rule 2): the previous copy (or the allocation) may still be
             # queued there; this copy must land after it, or the block ends on older values.
-            self._writer_fence.record(writer)
-            transport.stream_wait(stream, self._writer_fence)
+            wait_for_streams(transport, stream, ((writer, self._writer_fence),))
         self._writer = stream
         st.flush()  # the one copy, on the stage's stream
         sst.flushed = True  # from here on the copy is queued: close must fence it
@@ -276,13 +267,8 @@ class StaticInputs:
 
     def wait_for_readers(self, stream: Stream) -> None:
         """Make ``stream`` wait, on the device, for the work queued so far on every other reader."""
-        if not self._readers:
-            return
-        transport = self._transport
-        for reader, fence in zip(self._readers, self._read_fences, strict=True):
-            if not transport.same_stream(reader, stream):
-                fence.record(reader)
-                transport.stream_wait(stream, fence)
+        if self._readers:
+            wait_for_streams(self._transport, stream, zip(self._readers, self._read_fences, strict=True))
 
     def fence_after_readers(self, stream: Stream) -> None:
         """Before a stage with landings records its fence on ``stream``: the readers' work (the kernel
@@ -307,8 +293,13 @@ class StaticInputs:
             block.record_stream(stream)
 
     def _check_rows(self, rows: int) -> None:
-        if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= self.max_rows:
+        if not int_in_range(rows, 1, self.max_rows):
             raise StagingValueError(f"'rows' must be an int in [1, max_rows={self.max_rows}] (got {rows!r})")
+
+    @staticmethod
+    def _check_live(rows: int, live: int) -> None:
+        if not int_in_range(live, 0, rows):
+            raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
 
 
 class StaticStage:
@@ -434,7 +425,7 @@ class StaticStage:
         graph replay), on the stage's stream or on a registered reader (the read-back then
         waits for that reader on the device); it flushes first if needed. The slot's fence
         is recorded after this copy, so close adds none. Read the handle within
-        ``num_slots`` claims of the pool, like ``pool.readback``.
+        ``num_slots - 1`` further claims of the ring (``VIEW_LIFETIME``), like ``pool.readback``.
         """
         if not self.stage.is_open:
             raise PoolStateError("this static stage is closed: open the next step's with block.stage()")
@@ -480,8 +471,8 @@ class StaticStage:
         start = st.claim_landing(live * itemsize, name=name)
         # A step repeats (slot, landing offset, rows, live, dtype): the address column's
         # bytes, where they go and the typed view are built once and kept, as the block's
-        # host views are; a step then copies the bytes into place with no numpy call (cold
-        # right after a step's launches: measured at ten times its cost alone, 2026-11-30).
+        # host views are; a step then copies the bytes into place with no numpy call (numpy
+        # runs cold right after a step's launches, at many times its cost alone).
         key = (st.slot, start, self.rows, live, dtype, i)
         hit = block.landing_views.get(key)
         if hit is None:
@@ -567,7 +558,7 @@ def _offsets(fields: Sequence[StaticField], rows: int) -> list[int]:
     out, cursor = [], 0
     for f in fields:
         out.append(cursor)
-        cursor += (rows * _itemsize(f.dtype) + FIELD_ALIGN - 1) // FIELD_ALIGN * FIELD_ALIGN
+        cursor += align_up(rows * _itemsize(f.dtype), FIELD_ALIGN)
     return out
 
 

@@ -3,7 +3,7 @@
 The ring never calls CUDA itself. It asks a ``Transport`` for memory, fences, stream
 waits and copies, so the same rules run on CUDA (``CudaTransport``), on plain host
 memory (``HostTransport``, rule 7) and on the stream-aware simulator
-(``pinpool.simulated.LaggingGpu``) that the CPU tests drive. One class per path, so a
+(``pinpool.testing.LaggingGpu``) that the CPU tests drive. One class per path, so a
 test of a path exercises exactly it.
 
 Streams are explicit. ``resolve_stream`` turns "the one passed, or the device's current
@@ -14,13 +14,13 @@ again.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
 
-from pinpool.exceptions import DeviceMismatchError
+from pinpool.exceptions import DeviceMismatchError, HostSyncError
 from pinpool.platform import PlatformReport, check_cuda, in_place_report
-from pinpool.sync_guard import refuse_explicit_sync
 
 Stream = Any  # torch.cuda.Stream on CUDA, None on the host path, a SimStream in the simulator.
 
@@ -89,6 +89,43 @@ class Transport(Protocol):
         Called once, at the creation of a pool with ``PoolSettings(zero_copy=True)``.
         """
         ...
+
+
+def wait_for_streams(transport: Transport, waiter: Stream, others: Iterable[tuple[Stream, Fence]]) -> None:
+    """Make ``waiter`` wait, on the device, for the work queued so far on each other stream: never a host wait.
+
+    ``others``: (stream, a fence of its own to record there). A stream that is ``waiter``
+    itself is skipped: stream order covers it. The one home of this wait: the ring's
+    hand-off and consumer guards and a ``StaticInputs`` block's writer and readers use it.
+    """
+    for other, fence in others:
+        if not transport.same_stream(other, waiter):
+            fence.record(other)
+            transport.stream_wait(waiter, fence)
+
+
+class HostWaitGuard:
+    """Whether a pool fence's host wait is refused now: inside ``pinpool.testing.no_sync``.
+
+    The fence waits through a raw binding that torch's sync debug mode does not see, so it
+    asks here. The state lives in the library, and the test tool sets it, so that the
+    library imports no test tool.
+    """
+
+    __slots__ = ("depth",)
+
+    def __init__(self) -> None:
+        #: Open ``no_sync`` blocks (they nest).
+        self.depth = 0
+
+    def refuse(self, what: str) -> None:
+        """Raise ``HostSyncError`` for the host wait ``what`` inside a ``no_sync`` block."""
+        if self.depth:
+            raise HostSyncError(f"{what} inside no_sync()")
+
+
+#: The one guard every pool fence asks before a host wait.
+host_waits = HostWaitGuard()
 
 
 class _NoFence:
@@ -168,7 +205,7 @@ _query = getattr(_event_base, "query", _no_cuda)
 _synchronize = getattr(_event_base, "synchronize", _no_cuda)
 # Setting a device's current stream (it also makes that device current), and the current
 # device. ``torch.cuda.stream(...)`` does the same through several Python-level device
-# lookups: about 30 µs per use measured on an H200 host (2026-11-30), per step.
+# lookups, each paid on every step that switches streams.
 _set_stream = getattr(torch._C, "_cuda_setStream", None)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
 _set_device = getattr(torch._C, "_cuda_setDevice", None)
@@ -245,7 +282,7 @@ class _CudaFence(torch.cuda.Event):
         return passed
 
     def synchronize(self) -> None:
-        refuse_explicit_sync("a pool fence's synchronize()")
+        host_waits.refuse("a pool fence's synchronize()")
         _synchronize(self)  # sync-ok: callers wait only on a fence they queried as pending
         self.passed = True
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pinpool import PinnedRingBuffer
-from pinpool.slots import BoundedCache
+from pinpool.cache import BoundedCache
 from sampling.params import RECORD_DTYPE
 
 #: int32 words per request in the block.

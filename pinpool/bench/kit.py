@@ -233,10 +233,10 @@ def run_isolated(fn: Callable[..., Any], jobs: Sequence[tuple[Any, ...]]) -> lis
 
     For passes that profile: once ``torch.profiler`` has traced CUDA activity, CUPTI stays
     attached to the process (Kineto does not tear it down; pytorch/pytorch#144455) and
-    every later CUDA runtime call carries its overhead. On an H200 (2026-11-30,
-    tests/bench/diag_replay.py) a decode graph's ``replay()`` took 3-6 µs of host time
-    before a profiled pass in the same process and 17-33 µs after it. A workload times
-    first, then counts here, so no timing in the bench's process ever runs under CUPTI.
+    every later CUDA runtime call carries its overhead (``tests/bench/diag_replay.py`` shows
+    a decode graph's ``replay()`` several times slower on the host after a profiled pass in
+    the same process). A workload times first, then counts here, so no timing in the
+    bench's process ever runs under CUPTI.
     ``fn`` must be importable at module level and its results picklable.
     """
     if not jobs:

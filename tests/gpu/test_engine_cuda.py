@@ -9,7 +9,7 @@ import torch
 
 from engine import MODES, Engine, EngineConfig, ModelConfig, Workload, make_requests
 from engine.bench import zero_copy_refusal
-from pinpool import no_sync
+from pinpool.testing import no_sync
 
 DEV = torch.device("cuda", 0)
 CFG = ModelConfig()

@@ -10,7 +10,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from memcache import CacheIndexError, ReqToTokenPool, write_cache_indices
-from pinpool import PinnedRingBuffer, PoolSettings, Stage, no_sync
+from pinpool import PinnedRingBuffer, PoolSettings, Stage
+from pinpool.testing import no_sync
 
 DEV = torch.device("cuda", 0)
 MAX_LEN = 128

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from pinpool import PinnedRingBuffer, PoolSettings, no_sync
+from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool.testing import no_sync
 from pinpool.transport import CudaTransport
 from tests.fakes import UnfencedTransport
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pinpool import PinnedRingBuffer, PoolSettings, no_sync
+from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool.testing import no_sync
 from sampling import Sampler, SamplingBatchInfo, SamplingParams, draw_reference, launch_draw_sorted
 from sampling.draw import POISONED_TOKEN
 from tests.fakes import Batch, Req, random_params

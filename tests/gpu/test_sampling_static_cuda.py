@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-from pinpool import PinnedRingBuffer, PoolSettings, StaticField, StaticInputs, no_sync
+from pinpool import PinnedRingBuffer, PoolSettings, StaticField, StaticInputs
+from pinpool.testing import no_sync
 from sampling import (
     SAMPLING_FIELDS,
     Sampler,

@@ -25,8 +25,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pinpool import PinnedRingBuffer, PoolSettings, StaticField, StaticInputs, no_sync
+from pinpool import PinnedRingBuffer, PoolSettings, StaticField, StaticInputs
 from pinpool.encode import NUMPY_DTYPE
+from pinpool.testing import no_sync
 
 LAG = 2_000_000  # about 1 ms of GPU sleep at most per replay: the host stages steps far ahead of the replays
 CONTROL_LAG = 2_000_000  # about 1 ms before every replay in the control: the host stages many steps per replay

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings, PoolStateError, StaleLeaseError
-from pinpool.simulated import LaggingGpu
+from pinpool.testing import LaggingGpu
 from sampling import Sampler, SamplingBatchInfo
 from tests.fakes import Batch, Req, random_params
 from tests.unit.test_sglang_params import pair

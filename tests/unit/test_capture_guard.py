@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings, PoolStateError, StaticField, StaticInputs
-from pinpool.simulated import LaggingGpu, SimStream
+from pinpool.testing import LaggingGpu, SimStream
 
 FIELDS = (StaticField("step", torch.int64, pad=-1),)
 

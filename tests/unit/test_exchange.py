@@ -30,7 +30,7 @@ from pinpool import PinnedRingBuffer, PoolSettings, StagingTypeError, StagingVal
 from pinpool.exchange import Exchange
 from pinpool.landing import land_reference
 from pinpool.readback import Landing
-from pinpool.simulated import LaggingGpu, SimFence, SimStream
+from pinpool.testing import LaggingGpu, SimFence, SimStream
 
 SLOT_BYTES = 1024
 NUM_SLOTS = 3

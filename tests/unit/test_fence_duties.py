@@ -19,8 +19,8 @@ import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings, PoolStateError
 from pinpool.landing import land
-from pinpool.simulated import LaggingGpu
 from pinpool.static_inputs import StaticField, StaticInputs
+from pinpool.testing import LaggingGpu
 
 
 def _pool(gpu: LaggingGpu, slot_bytes: int = 64, **kw: object) -> PinnedRingBuffer:

@@ -35,8 +35,8 @@ from pinpool import (
 )
 from pinpool.landing import land, land_reference
 from pinpool.readback import Landing
-from pinpool.simulated import LaggingGpu, SimStream
 from pinpool.stage import LANDING_TAG
+from pinpool.testing import LaggingGpu, SimStream
 from pinpool.transport import Stream
 
 FIELDS = (StaticField("x", torch.int64, pad=-1), StaticField("dst", torch.int64, pad=0))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pinpool import CapacityError, PinnedRingBuffer, PoolSettings, PoolStateError, Readback, StaleLeaseError
-from pinpool.simulated import LaggingGpu
+from pinpool.testing import LaggingGpu
 
 
 def test_readback_returns_the_values_and_survives_later_writes_to_the_source() -> None:

@@ -9,7 +9,7 @@ import torch
 
 from memcache import CacheIndexError, ReqToTokenPool, write_cache_indices
 from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolSettings, PoolStateError
-from pinpool.simulated import LaggingGpu
+from pinpool.testing import LaggingGpu
 from pinpool.transport import CudaTransport
 
 

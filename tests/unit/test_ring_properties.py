@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pinpool import PinnedRingBuffer, PoolSettings
-from pinpool.simulated import LaggingGpu
+from pinpool.testing import LaggingGpu
 from tests.fakes import UnfencedTransport
 
 DTYPES = [torch.float32, torch.int32, torch.int64, torch.float16, torch.uint8, torch.float64, torch.bool, torch.int8]

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolSettings
 from pinpool import transport as transport_module
-from pinpool.simulated import LaggingGpu, SimStream
 from pinpool.stage import Stage
+from pinpool.testing import LaggingGpu, SimStream
 from pinpool.transport import CudaTransport, Stream
 
 Read = tuple[int, Callable[[], None]]

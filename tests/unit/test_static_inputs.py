@@ -38,8 +38,8 @@ from pinpool import (
     StaticStage,
 )
 from pinpool.encode import NUMPY_DTYPE
-from pinpool.simulated import LaggingGpu, SimStream
 from pinpool.static_inputs import FIELD_ALIGN
+from pinpool.testing import LaggingGpu, SimStream
 
 FIELDS = (
     StaticField("step", torch.int64, pad=-1),

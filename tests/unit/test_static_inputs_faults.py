@@ -2,7 +2,7 @@
 
 - a copy that raises, a buffer passed once, a read-back after a replay on a reader stream.
 
-CPU only: plain CPU pools, or the stream-aware simulator (``pinpool.simulated.LaggingGpu``).
+CPU only: plain CPU pools, or the stream-aware simulator (``pinpool.testing.LaggingGpu``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings, PoolStateError, StaticField, StaticInputs
-from pinpool.simulated import LaggingGpu, SimStream
+from pinpool.testing import LaggingGpu, SimStream
 
 FIELDS = (
     StaticField("step", torch.int64, pad=-1),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pinpool import HostSyncError, is_pin_memory_available, no_sync
-from pinpool.sync_guard import check_copy
+from pinpool import HostSyncError, is_pin_memory_available
+from pinpool.testing import check_copy, no_sync
 
 CUDA = torch.device("cuda", 0)
 

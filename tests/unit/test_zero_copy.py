@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from pinpool import PinnedRingBuffer, PlatformError, PoolSettings, PoolStateError, StaleLeaseError
 from pinpool.exceptions import UnguardedReaderError
 from pinpool.platform import PlatformReport
-from pinpool.simulated import LaggingGpu, SimStream
 from pinpool.stage import Stage
+from pinpool.testing import LaggingGpu, SimStream
 from pinpool.transport import Stream
 from tests.unit.test_ring_streams import Read, fire_due, readback_step, stage_step
 

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from pinpool.exceptions import HostSyncError
-
-_depth = 0
+from pinpool.transport import host_waits
 
 
 def check_copy(src: torch.Tensor, dst_device: torch.device, non_blocking: bool, dst_pinned: bool = False) -> None:
@@ -40,12 +39,6 @@ def check_copy(src: torch.Tensor, dst_device: torch.device, non_blocking: bool, 
         raise HostSyncError("device-to-host copy into pageable memory or without non_blocking=True blocks the host")
 
 
-def refuse_explicit_sync(what: str) -> None:
-    """Raise ``HostSyncError`` inside ``no_sync()``: for waits that bypass torch (the pool's direct fences)."""
-    if _depth:
-        raise HostSyncError(f"{what} inside no_sync()")
-
-
 def _explicit_sync(what: str) -> Callable[..., Any]:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise HostSyncError(f"{what} inside no_sync()")
@@ -55,14 +48,17 @@ def _explicit_sync(what: str) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def no_sync() -> Iterator[None]:
-    """Raise ``HostSyncError`` on any host sync in the body (not thread-safe: a test tool)."""
-    global _depth
-    if _depth:
-        _depth += 1
+    """Raise ``HostSyncError`` on any host sync in the body (not thread-safe: a test tool).
+
+    The pool's own fences wait through a raw binding: they ask ``host_waits``, which
+    this block's depth is kept in.
+    """
+    if host_waits.depth:
+        host_waits.depth += 1
         try:
             yield
         finally:
-            _depth -= 1
+            host_waits.depth -= 1
         return
     originals: dict[tuple[Any, str], Any] = {}
 
@@ -98,11 +94,11 @@ def no_sync() -> Iterator[None]:
     previous = torch.cuda.get_sync_debug_mode() if debug_mode else 0
     if debug_mode:
         torch.cuda.set_sync_debug_mode("error")
-    _depth = 1
+    host_waits.depth = 1
     try:
         yield
     finally:
-        _depth = 0
+        host_waits.depth = 0
         if debug_mode:
             torch.cuda.set_sync_debug_mode(previous)
         for (owner, attr), value in originals.items():
