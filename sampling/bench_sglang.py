@@ -106,6 +106,25 @@ def timed(ctx: BenchContext, calls: list[Callable[[int], Any]], n: int | None = 
     return [_spread(s) for s in samples]
 
 
+def _filter_lap(batches: list[Any], keep: list[int], keep_device: torch.Tensor, k: int) -> None:
+    """Call ``k`` of a four-sided lap filters that lap's own batch."""
+    batches[k // 4].filter_batch(keep, keep_device)
+
+
+def _merge_lap(pairs: list[tuple[Any, Any]], k: int) -> None:
+    """Call ``k`` of a four-sided lap merges that lap's own pair."""
+    pairs[k // 4][0].merge_batch(pairs[k // 4][1])
+
+
+def _on_set(pick: Callable[[int], Any], fn: Callable[[Any], Any], k: int) -> Any:
+    """``fn`` on object set ``k % COPIES``: consecutive calls never share objects."""
+    return fn(pick(k % COPIES))
+
+
+def _ignore_index(fn: Callable[[Any, None], Any], objs: Any, k: int) -> Any:
+    return fn(objs, None)
+
+
 def _calls(ctx: BenchContext) -> int:
     """Calls per row: the issue's count on a GPU; a CPU run (CI's smoke test) takes ``--iters``."""
     return CALLS if ctx.is_cuda else ctx.iters
@@ -184,10 +203,10 @@ def edit_rows(
         spans = timed(
             ctx,
             [
-                lambda i, s=sg_f, k=keep, kd=keep_device: s[i // 4].filter_batch(k, kd),
-                lambda i, p=pp_f, k=keep, kd=keep_device: p[i // 4].filter_batch(k, kd),
-                lambda i, s=sg_m: s[i // 4][0].merge_batch(s[i // 4][1]),
-                lambda i, p=pp_m: p[i // 4][0].merge_batch(p[i // 4][1]),
+                partial(_filter_lap, sg_f, keep, keep_device),
+                partial(_filter_lap, pp_f, keep, keep_device),
+                partial(_merge_lap, sg_m),
+                partial(_merge_lap, pp_m),
             ],
             n,
         )
@@ -220,11 +239,11 @@ def phase_rows(
         spans = timed(
             ctx,
             [
-                lambda i, pick=pick: sg_build(pick(i % COPIES), VOCAB),
+                partial(_on_set, pick, lambda b: sg_build(b, VOCAB)),
                 reads,
-                lambda i, pick=pick: sglang_params.pack_foreign(list(map(to_params, pick(i % COPIES).reqs))),
-                lambda i, pick=pick: build(pick(i % COPIES), VOCAB, pool, deterministic=True),
-                lambda i, pick=pick: build(pick(i % COPIES), VOCAB, pool, owned=True, deterministic=True),
+                partial(_on_set, pick, lambda b: sglang_params.pack_foreign(list(map(to_params, b.reqs)))),
+                partial(_on_set, pick, lambda b: build(b, VOCAB, pool, deterministic=True)),
+                partial(_on_set, pick, lambda b: build(b, VOCAB, pool, owned=True, deterministic=True)),
             ],
         )
         sg, rd, pk, rg, ow = (x.median for x in spans)
@@ -240,8 +259,8 @@ def packer_rows(ctx: BenchContext, make: Callable[..., Any]) -> list[tuple[Any, 
         small, vec = timed(
             ctx,
             [
-                lambda i, o=objs: sglang_params._pack_small(o, None),
-                lambda i, o=objs: sglang_params._pack_vectorised(o, None),
+                partial(_ignore_index, sglang_params._pack_small, objs),
+                partial(_ignore_index, sglang_params._pack_vectorised, objs),
             ],
         )
         rows.append((bs, small, vec, vec.median / small.median))

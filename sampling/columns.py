@@ -92,7 +92,7 @@ def select(block: torch.Tensor, bs: int, keep: torch.Tensor) -> torch.Tensor:
 def concat(a: torch.Tensor, a_bs: int, b: torch.Tensor, b_bs: int) -> torch.Tensor:
     """A new block of a's rows followed by b's: two copies (the four 32-bit rows side by side, then
     the seeds, which are already in order as 32-bit word pairs)."""
-    a_quad, a_seeds = a.split((4 * a_bs, 2 * a_bs))
-    b_quad, b_seeds = b.split((4 * b_bs, 2 * b_bs))
+    a_quad, a_seeds = a.split_with_sizes((4 * a_bs, 2 * a_bs))
+    b_quad, b_seeds = b.split_with_sizes((4 * b_bs, 2 * b_bs))
     quad = torch.cat((a_quad.view(4, a_bs), b_quad.view(4, b_bs)), 1)
     return torch.cat((quad.view(-1), a_seeds, b_seeds))
