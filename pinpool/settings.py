@@ -26,6 +26,10 @@ OTHER_ENV = {
     "PINPOOL_DIAG": "tests/bench/run_on_device.sh",
     "PINPOOL_PROFILE": "tests/bench/run_on_device.sh",
     "PINPOOL_BOX_SCALE": "tests/bench/run_on_device.sh",
+    "PINPOOL_WORKLOADS": "tests/bench/run_on_device.sh",
+    "PINPOOL_GRAPH": "tests/bench/run_on_device.sh",
+    "PINPOOL_UNIT": "tests/bench/run_on_device.sh",
+    "PINPOOL_BREAKDOWN": "tests/bench/run_on_device.sh",
 }
 #: Where a pool's slab and mirror can live: transports exist for these only.
 DEVICE_TYPES = ("cpu", "cuda")
