@@ -203,11 +203,11 @@ def _same(ctx: BenchContext, case: dict[str, Any], mine: ReqToTokenPool, ref: Re
     )
     staging.close()
     want = torch.zeros_like(mine.req_to_token)
-    loc, start = case["out_cache_loc"].tolist(), 0
+    loc, start = case["out_cache_loc"].tolist(), 0  # sync-ok: the CPU rows' expected values, after timing
     for row, nodes, p, e in zip(
         case["req_pool_indices"], case["nodes"], case["prefix_lens"], case["extend_lens"], strict=True
     ):
-        values = [v for n in nodes for v in n.tolist()][:p] + loc[start : start + e]
+        values = [v for n in nodes for v in n.tolist()][:p] + loc[start : start + e]  # sync-ok: as above
         want[row, : p + e] = torch.tensor(values, dtype=torch.int32)
         start += e
     return torch.equal(mine.req_to_token, want)

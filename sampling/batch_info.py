@@ -15,9 +15,7 @@ only for its stage (see ``from_schedule_batch``).
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
-from operator import attrgetter
 from typing import Any, Protocol
 
 import attrs
@@ -27,6 +25,7 @@ import torch
 from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolStateError, Stage, ZeroCopyStage
 from sampling import columns
 from sampling.exceptions import BatchMismatchError
+from sampling.host_records import check_bias_tokens, gather_records, keep_array
 from sampling.logit_bias import BiasOf, SparseLogitBias, merged_block
 from sampling.params import (
     FLAG_BIAS,
@@ -38,11 +37,6 @@ from sampling.params import (
     TOP_K_ALL,
     SamplingParams,
 )
-from sampling.sglang_params import pack_foreign
-
-_PARAMS = attrgetter("sampling_params")
-_RECORD = attrgetter("record")
-_INT_ONLY = frozenset({int})
 
 
 class RequestLike(Protocol):
@@ -139,7 +133,7 @@ class SamplingBatchInfo:
         bs = len(reqs)
         if bs == 0:  # sglang's idle batch (ScheduleBatch.prepare_for_idle) builds from no requests
             return cls._empty(pool, vocab_size, deterministic)
-        joined, bias_of = _gather_records(reqs, deterministic)
+        joined, bias_of = gather_records(reqs, deterministic)
         host_records = joined if isinstance(joined, np.ndarray) else np.frombuffer(joined, RECORD_DTYPE)
         flags = host_records["flags"]
         any_flags = int(np.bitwise_or.reduce(flags))
@@ -147,7 +141,7 @@ class SamplingBatchInfo:
         if any_flags & FLAG_BIAS:
             n_bias = host_records["n_bias"]
             bias_total = int(n_bias.sum())
-            _check_bias_tokens(host_records, vocab_size)
+            check_bias_tokens(host_records, vocab_size)
         if stage is not None:
             return cls._build_into(
                 stage, pool, owned, joined, host_records, any_flags, bias_total, bias_of, vocab_size, deterministic
@@ -243,7 +237,7 @@ class SamplingBatchInfo:
         """
         if self.stage_bound:
             self._refuse_edit("filter_batch")
-        keep = _keep_array(keep_indices)
+        keep = keep_array(keep_indices)
         bs = len(self.host_records)
         # One bound check: a negative index read as unsigned is past any batch size.
         if keep.size and int(keep.view(np.uint64).max()) >= bs:
@@ -387,51 +381,6 @@ class SamplingBatchInfo:
         self.need_top_p_sampling = bool(any_bits & FLAG_TOP_P)
         self.need_top_k_sampling = bool(any_bits & FLAG_TOP_K)
         self.need_min_p_sampling = bool(any_bits & FLAG_MIN_P)
-
-
-def _gather_records(reqs: Sequence[RequestLike], seeds: bool) -> tuple[bytes | np.ndarray[Any, Any], BiasOf]:
-    """The requests' records (joined bytes, or a RECORD_DTYPE array), and where to find request i's
-    (token ids, values). ``seeds=False``: sglang-named params' seeds are left unread."""
-    try:
-        params = list(map(_PARAMS, reqs))
-    except AttributeError:
-        i = next(i for i, r in enumerate(reqs) if not hasattr(r, "sampling_params"))
-        raise BatchMismatchError(
-            f"'batch.reqs[{i}]' must be a request with a 'sampling_params' attribute (got {type(reqs[i]).__name__})"
-        ) from None
-    if type(params[0]) is SamplingParams:
-        try:
-            joined = b"".join(map(_RECORD, params))
-        except AttributeError:  # a mixed batch: some requests carry sglang's params
-            pass
-        else:
-            return joined, lambda i: params[i].logit_bias
-    records, biases = pack_foreign(params, seeds=seeds)
-    return records, biases.get
-
-
-def _keep_array(keep_indices: Sequence[int] | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """``keep_indices`` as a flat int64 array; a scheduler's list of ints converts at C speed."""
-    if type(keep_indices) is list and set(map(type, keep_indices)) <= _INT_ONLY:  # bools are no indices
-        try:
-            return np.frombuffer(array("q", keep_indices), np.int64)
-        except (TypeError, OverflowError):  # not plain ints: numpy says what they are below
-            pass
-    raw = np.asarray(keep_indices)
-    if raw.size and raw.dtype.kind not in "iu":
-        # A float would be truncated and a bool mask read as indices 0 and 1: wrong rows, silently.
-        raise BatchMismatchError(f"'keep_indices' must be integer row indices (got dtype {raw.dtype})")
-    return raw.astype(np.int64, copy=False).reshape(-1)
-
-
-def _check_bias_tokens(host_records: np.ndarray[Any, Any], vocab_size: int) -> None:
-    over = np.nonzero(host_records["bias_max_token"] >= vocab_size)[0]  # sync-ok: numpy, host records
-    if over.size:
-        i = int(over[0])
-        raise BatchMismatchError(
-            f"'logit_bias' token ids must be < vocab_size {vocab_size} "
-            f"(got {int(host_records['bias_max_token'][i])} in request {i})"
-        )
 
 
 def _same_device(value: torch.device | str, device: torch.device) -> bool:

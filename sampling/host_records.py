@@ -1,0 +1,69 @@
+"""A batch's host records: read from its requests, and the host side of its edits.
+
+``gather_records`` reads each request's ``sampling_params`` (pinpool's own, whose records
+are packed at construction, or sglang-named ones, packed here on first sight);
+``keep_array`` and ``check_bias_tokens`` check what ``filter_batch`` and a build take.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from operator import attrgetter
+from typing import Any
+
+import numpy as np
+
+from sampling.exceptions import BatchMismatchError
+from sampling.logit_bias import BiasOf
+from sampling.params import SamplingParams
+from sampling.sglang_params import pack_foreign
+
+_PARAMS = attrgetter("sampling_params")
+_RECORD = attrgetter("record")
+_INT_ONLY = frozenset({int})
+
+
+def gather_records(reqs: Sequence[Any], seeds: bool) -> tuple[bytes | np.ndarray[Any, Any], BiasOf]:
+    """The requests' records (joined bytes, or a RECORD_DTYPE array), and where to find request i's
+    (token ids, values). ``seeds=False``: sglang-named params' seeds are left unread."""
+    try:
+        params = list(map(_PARAMS, reqs))
+    except AttributeError:
+        i = next(i for i, r in enumerate(reqs) if not hasattr(r, "sampling_params"))
+        raise BatchMismatchError(
+            f"'batch.reqs[{i}]' must be a request with a 'sampling_params' attribute (got {type(reqs[i]).__name__})"
+        ) from None
+    if type(params[0]) is SamplingParams:
+        try:
+            joined = b"".join(map(_RECORD, params))
+        except AttributeError:  # a mixed batch: some requests carry sglang's params
+            pass
+        else:
+            return joined, lambda i: params[i].logit_bias
+    records, biases = pack_foreign(params, seeds=seeds)
+    return records, biases.get
+
+
+def keep_array(keep_indices: Sequence[int] | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``keep_indices`` as a flat int64 array; a scheduler's list of ints converts at C speed."""
+    if type(keep_indices) is list and set(map(type, keep_indices)) <= _INT_ONLY:  # bools are no indices
+        try:
+            return np.frombuffer(array("q", keep_indices), np.int64)
+        except (TypeError, OverflowError):  # not plain ints: numpy says what they are below
+            pass
+    raw = np.asarray(keep_indices)
+    if raw.size and raw.dtype.kind not in "iu":
+        # A float would be truncated and a bool mask read as indices 0 and 1: wrong rows, silently.
+        raise BatchMismatchError(f"'keep_indices' must be integer row indices (got dtype {raw.dtype})")
+    return raw.astype(np.int64, copy=False).reshape(-1)
+
+
+def check_bias_tokens(host_records: np.ndarray[Any, Any], vocab_size: int) -> None:
+    over = np.nonzero(host_records["bias_max_token"] >= vocab_size)[0]  # sync-ok: numpy, host records
+    if over.size:
+        i = int(over[0])
+        raise BatchMismatchError(
+            f"'logit_bias' token ids must be < vocab_size {vocab_size} "
+            f"(got {int(host_records['bias_max_token'][i])} in request {i})"
+        )
