@@ -25,7 +25,7 @@ import torch
 from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolStateError, Stage, ZeroCopyStage
 from sampling import columns
 from sampling.exceptions import BatchMismatchError
-from sampling.host_records import check_bias_tokens, gather_records, keep_array
+from sampling.host_records import check_bias_tokens, gather_records, keep_array, same_device
 from sampling.logit_bias import BiasOf, SparseLogitBias, merged_block
 from sampling.params import (
     FLAG_BIAS,
@@ -127,11 +127,13 @@ class SamplingBatchInfo:
         """
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise BatchMismatchError(f"'vocab_size' must be an int >= 1 (got {vocab_size!r})")
-        if batch.device != pool.device and not _same_device(batch.device, pool.device):
+        if batch.device != pool.device and not same_device(batch.device, pool.device):
             raise DeviceMismatchError(f"'batch.device' must be the pool's device {pool.device} (got {batch.device})")
         reqs = batch.reqs
         bs = len(reqs)
         if bs == 0:  # sglang's idle batch (ScheduleBatch.prepare_for_idle) builds from no requests
+            if stage is not None:
+                _check_stage(stage, pool, owned)
             return cls._empty(pool, vocab_size, deterministic)
         joined, bias_of = gather_records(reqs, deterministic)
         host_records = joined if isinstance(joined, np.ndarray) else np.frombuffer(joined, RECORD_DTYPE)
@@ -187,26 +189,7 @@ class SamplingBatchInfo:
         deterministic: bool,
     ) -> SamplingBatchInfo:
         """``from_schedule_batch`` into the caller's open stage ``st`` (its ``stage=`` path)."""
-        if owned or st.owned:
-            got = "owned=True" if owned else "an owned stage"
-            raise PoolStateError(
-                f"'stage' cannot be combined with owned memory (got {got}): a batch built into a caller's stage "
-                "lives only for that stage; build a batch that outlives it with owned=True and no 'stage'"
-            )
-        if st.pool is not pool:
-            if st.pool.device != pool.device:
-                raise DeviceMismatchError(
-                    f"'stage' must be a stage of the pool on {pool.device} (got one on {st.pool.device})"
-                )
-            raise PoolStateError(
-                "'stage' must be a stage of 'pool' (got a stage of another pool): open it with pool.stage(...)"
-            )
-        if st.flushed or not st.is_open:
-            state = "flushed" if st.is_open else "closed"
-            raise PoolStateError(
-                f"'stage' must be open and not yet flushed (got stage {st.generation}, {st.__class__.__name__}, "
-                f"{state}): build the batch before st.flush(), inside the stage"
-            )
+        _check_stage(st, pool, owned)
         bs = len(host_records)
         host, block = st.reserve(columns.COLUMN_WORDS * bs, torch.int32, name="sampling columns")
         columns.write_columns(host, joined, bs)
@@ -383,16 +366,25 @@ class SamplingBatchInfo:
         self.need_min_p_sampling = bool(any_bits & FLAG_MIN_P)
 
 
-def _same_device(value: torch.device | str, device: torch.device) -> bool:
-    """Whether ``value`` (a scheduler's device, maybe a string) names ``device``.
-
-    sglang's ``ScheduleBatch.device`` is the string ``"cuda"``: it means the current CUDA
-    device, as it does for a torch allocation, so it matches ``cuda:<current>``.
-    """
-    try:
-        named = torch.device(value)
-    except (RuntimeError, TypeError):
-        return False
-    if named.type == "cuda" and named.index is None and device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.current_device() == device.index
-    return named == device
+def _check_stage(st: Stage, pool: PinnedRingBuffer, owned: bool) -> None:
+    """Refuse a ``stage=`` that a batch cannot be built into (owned, another pool's, not open)."""
+    if owned or st.owned:
+        got = "owned=True" if owned else "an owned stage"
+        raise PoolStateError(
+            f"'stage' cannot be combined with owned memory (got {got}): a batch built into a caller's stage "
+            "lives only for that stage; build a batch that outlives it with owned=True and no 'stage'"
+        )
+    if st.pool is not pool:
+        if st.pool.device != pool.device:
+            raise DeviceMismatchError(
+                f"'stage' must be a stage of the pool on {pool.device} (got one on {st.pool.device})"
+            )
+        raise PoolStateError(
+            "'stage' must be a stage of 'pool' (got a stage of another pool): open it with pool.stage(...)"
+        )
+    if st.flushed or not st.is_open:
+        state = "flushed" if st.is_open else "closed"
+        raise PoolStateError(
+            f"'stage' must be open and not yet flushed (got stage {st.generation}, {st.__class__.__name__}, "
+            f"{state}): build the batch before st.flush(), inside the stage"
+        )

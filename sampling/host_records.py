@@ -2,7 +2,7 @@
 
 ``gather_records`` reads each request's ``sampling_params`` (pinpool's own, whose records
 are packed at construction, or sglang-named ones, packed here on first sight);
-``keep_array`` and ``check_bias_tokens`` check what ``filter_batch`` and a build take.
+``keep_array``, ``check_bias_tokens`` and ``same_device`` check what a build and ``filter_batch`` take.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from operator import attrgetter
 from typing import Any
 
 import numpy as np
+import torch
 
 from sampling.exceptions import BatchMismatchError
 from sampling.logit_bias import BiasOf
@@ -67,3 +68,18 @@ def check_bias_tokens(host_records: np.ndarray[Any, Any], vocab_size: int) -> No
             f"'logit_bias' token ids must be < vocab_size {vocab_size} "
             f"(got {int(host_records['bias_max_token'][i])} in request {i})"
         )
+
+
+def same_device(value: torch.device | str, device: torch.device) -> bool:
+    """Whether ``value`` (a scheduler's device, maybe a string) names ``device``.
+
+    sglang's ``ScheduleBatch.device`` is the string ``"cuda"``: it means the current CUDA
+    device, as it does for a torch allocation, so it matches ``cuda:<current>``.
+    """
+    try:
+        named = torch.device(value)
+    except (RuntimeError, TypeError):
+        return False
+    if named.type == "cuda" and named.index is None and device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.current_device() == device.index
+    return named == device

@@ -211,7 +211,7 @@ def test_device_errors() -> None:
 
 def test_a_bare_cuda_batch_device_means_the_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """Catches sglang's ScheduleBatch.device == "cuda" refused by a pool on cuda:<current>."""
-    from sampling.batch_info import _same_device
+    from sampling.host_records import same_device as _same_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
@@ -338,3 +338,13 @@ def test_a_stage_of_another_pool_is_refused_before_anything_is_reserved_in_it() 
         with pytest.raises(PoolStateError, match="'stage' must be a stage of 'pool'"):
             SamplingBatchInfo.from_schedule_batch(Batch([Req(SamplingParams())] * 5), VOCAB, p1, stage=st)
         assert st.used_bytes == before
+
+
+def test_an_empty_build_still_refuses_a_stage_it_could_not_be_built_into() -> None:
+    """Catches the idle path skipping the stage= checks: an owned build into a caller's stage, or a
+    closed stage, is refused for no requests as for some."""
+    pool = make_pool()
+    with pool.stage() as st, pytest.raises(PoolStateError, match="cannot be combined with owned memory"):
+        SamplingBatchInfo.from_schedule_batch(Batch([]), VOCAB, pool, owned=True, stage=st)
+    with pytest.raises(PoolStateError, match="must be open and not yet flushed"):
+        SamplingBatchInfo.from_schedule_batch(Batch([]), VOCAB, pool, stage=st)
