@@ -250,6 +250,7 @@ class PinnedRingBuffer:
         """
         if self._open is not None or self._closed or self._debug:
             self._check_usable()  # raises, or (debug) checks the calling thread
+        passed = stream
         stream, capturing = self._resolve_for_stage(stream)
         if capturing:
             raise PoolStateError(CAPTURE_REFUSAL)
@@ -274,7 +275,9 @@ class PinnedRingBuffer:
             # index (the device type cannot change to or from CPU that way), shape.
             owned_device = owned
         else:
-            owned_device = self._owned_buffer(owned_bytes, owned, stream)
+            # None when the stage's stream is the current one (resolved from None just now): the
+            # allocation then takes the current stream's pool without the transport asking again.
+            owned_device = self._owned_buffer(owned_bytes, owned, None if passed is None else stream)
             if owned is not None and reuse_owned:
                 self._reused_owned = weakref.ref(owned)  # kept alive by the slice cache only
         slot = self._claim(stream, writes_mirror=owned_device is None)
@@ -762,7 +765,9 @@ class PinnedRingBuffer:
                 f"(owner {self._owner_thread}, caller {threading.get_ident()}); create one pool per worker"
             )
 
-    def _owned_buffer(self, owned_bytes: int | None, owned: torch.Tensor | None, stream: Stream) -> torch.Tensor | None:
+    def _owned_buffer(
+        self, owned_bytes: int | None, owned: torch.Tensor | None, stream: Stream | None
+    ) -> torch.Tensor | None:
         if owned is not None:
             if owned_bytes is not None:
                 raise PoolStateError("pass either 'owned' or 'owned_bytes', not both")

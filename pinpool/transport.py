@@ -314,9 +314,10 @@ class CudaTransport:
     def alloc_device(self, nbytes: int, stream: Stream = None) -> torch.Tensor:
         # The caching allocator hands out blocks per stream: take it from the pool of the
         # stream that will write it, so no work queued on another stream still owns it.
-        # Entering ``torch.cuda.stream`` costs more than the allocation: skip it when the
-        # writing stream is the device's current one, whose pool the allocation takes anyway.
-        if stream is None or stream.stream_id == _current_stream_of(self.index)[0]:
+        # None: the writer is the device's current stream (the ring passes None for a stream it
+        # resolved from "current"), whose pool a plain allocation takes, without entering
+        # ``torch.cuda.stream``, which costs more than the allocation.
+        if stream is None:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         with torch.cuda.stream(stream):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
