@@ -19,7 +19,7 @@ ENV_PREFIX = "PINPOOL_"
 #: other name with the prefix that is not a settings field (a typo would otherwise be ignored).
 OTHER_ENV = {
     "PINPOOL_LOG_LEVEL": "the pinpool command line's log level (pinpool.log)",
-    "PINPOOL_GRAPH_CONFIGS": "engine.graph_bench",
+    "PINPOOL_GRAPH_CONFIGS": "pinpool.bench.engine.graph_bench",
     "PINPOOL_SETUP_DRY_RUN": "tests/run.py",
     "PINPOOL_SOAK": "tests/bench/run_on_device.sh",
     "PINPOOL_SOAK_ARGS": "tests/bench/run_on_device.sh",

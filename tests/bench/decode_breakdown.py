@@ -19,8 +19,8 @@ import time
 import structlog
 import torch
 
-from engine.bench import READ_BACK, _engine, _requests
-from engine.uploader import MODES
+from pinpool.bench.engine.bench import READ_BACK, _engine, _requests
+from pinpool.bench.engine.uploader import MODES
 
 DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 SITES = ("decode.upload", "decode.readback", "read")
@@ -89,9 +89,9 @@ def profile_pool(running: int) -> str:
 
 def pool_calls(mode: str, running: int, steps: int = 60) -> str:
     """Median µs per step of each pool call of the decode exchange, in the loop as it runs."""
-    from engine import readback as engine_readback
-    from engine import uploader
     from pinpool import exchange, readback, ring, stage, transport
+    from pinpool.bench.engine import readback as engine_readback
+    from pinpool.bench.engine import uploader
 
     spent: dict[str, float] = {}
     patched: list[tuple[object, str, object]] = []

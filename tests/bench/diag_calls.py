@@ -20,10 +20,10 @@ import structlog
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.graph_bench import CONFIGS, _requests
-from engine.graph_loop import GraphConfig, GraphEngine
-from engine.loop import Engine, EngineConfig
-from engine.model import ModelConfig
+from pinpool.bench.engine.graph_bench import CONFIGS, _requests
+from pinpool.bench.engine.graph_loop import GraphConfig, GraphEngine
+from pinpool.bench.engine.loop import Engine, EngineConfig
+from pinpool.bench.engine.model import ModelConfig
 
 dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")  # cpu: a smoke run of the script
 

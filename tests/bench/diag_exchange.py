@@ -26,8 +26,8 @@ from typing import Any
 import structlog
 import torch
 
-from engine.bench import _engine, _requests
-from engine.loop import Engine
+from pinpool.bench.engine.bench import _engine, _requests
+from pinpool.bench.engine.loop import Engine
 from pinpool.transport import _current_stream_of, _is_capturing, _query, _record
 
 DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

@@ -21,10 +21,10 @@ import structlog
 import torch
 
 from memcache import write_cache as wc
-from memcache.bench_sglang import make_case
 from memcache.req_to_token import ReqToTokenPool
 from memcache.write_kernel import BLOCK, META_ROWS, _write_req_to_token_kernel, launch_checked
 from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool.bench.memcache_vs_sglang import make_case
 
 dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
 

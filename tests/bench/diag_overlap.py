@@ -21,11 +21,11 @@ import structlog
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine import graph_loop
-from engine.graph_bench import CONFIGS, _requests
-from engine.graph_loop import GraphConfig, GraphEngine
-from engine.loop import EngineConfig
-from engine.requests import accept_all
+from pinpool.bench.engine import graph_loop
+from pinpool.bench.engine.graph_bench import CONFIGS, _requests
+from pinpool.bench.engine.graph_loop import GraphConfig, GraphEngine
+from pinpool.bench.engine.loop import EngineConfig
+from pinpool.bench.engine.requests import accept_all
 
 dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")  # cpu: a smoke run
 STEPS = 100

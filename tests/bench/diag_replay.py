@@ -17,9 +17,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.graph_bench import CONFIGS
-from engine.graph_loop import GraphConfig, GraphEngine
-from engine.loop import EngineConfig
+from pinpool.bench.engine.graph_bench import CONFIGS
+from pinpool.bench.engine.graph_loop import GraphConfig, GraphEngine
+from pinpool.bench.engine.loop import EngineConfig
 
 dev = torch.device("cuda:0")
 SIZES = (1, 16, 64)

@@ -3,7 +3,7 @@
 Run: ``python tests/bench/diag_write_cache.py [--device cuda] [--sizes 1,64,256,1024,4096]``.
 
 Per batch size, medians of ``CALLS`` calls, each phase timed alone on prefix tensors it has
-never seen (made as ``memcache.bench_sglang`` makes them, kept alive until the row ends so
+never seen (made as ``pinpool.bench.memcache_vs_sglang`` makes them, kept alive until the row ends so
 no release is timed), on an idle device:
 
 - pool: ``meta`` (the length rules, the gather of the requests with a prefix and their
@@ -33,8 +33,8 @@ import torch
 
 from memcache import bench_sglang, prefix_check, write_cache
 from memcache.req_to_token import ReqToTokenPool
-from memcache.sglang_ref import _pin, load
 from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool.bench.sglang_memcache import _pin, load
 
 CALLS = 200
 _T = torch.Tensor
@@ -76,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    torch.set_num_threads(1)  # see memcache.bench_sglang: the CPU pool's copy wakes torch's thread pool
+    torch.set_num_threads(1)  # see pinpool.bench.memcache_vs_sglang: the CPU pool's copy wakes torch's thread pool
 
     def sync() -> None:
         if cuda:

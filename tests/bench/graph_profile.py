@@ -12,10 +12,10 @@ import sys
 
 import torch
 
-from engine.graph_bench import _requests
-from engine.graph_loop import GraphConfig, GraphEngine
-from engine.loop import EngineConfig
-from engine.model import ModelConfig
+from pinpool.bench.engine.graph_bench import _requests
+from pinpool.bench.engine.graph_loop import GraphConfig, GraphEngine
+from pinpool.bench.engine.loop import EngineConfig
+from pinpool.bench.engine.model import ModelConfig
 
 dev = torch.device("cuda:0")
 
@@ -107,7 +107,7 @@ if "--split" in sys.argv:
         for bs in (1, 16, 64):
             gpu_split(mc, bs)
 if "--modes" in sys.argv:
-    from engine.graph_bench import measure
+    from pinpool.bench.engine.graph_bench import measure
     from pinpool.bench.kit import BenchContext
 
     ctx = BenchContext(device=dev, batch_sizes=(1,), iters=1, verbose=False)

@@ -16,13 +16,13 @@ from typing import Any
 import structlog
 import torch
 
-from memcache.bench import make_case
 from memcache.req_to_token import ReqToTokenPool
 from memcache.write_cache import write_cache_indices
 from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool.bench.memcache_bench import make_case
+from pinpool.bench.sampling_bench import make_batch
 from pinpool.bench.staging import make_step
 from sampling.batch_info import SamplingBatchInfo
-from sampling.bench import make_batch
 
 
 def profile(label: str, fn: Callable[[], Any], calls: int = 2000) -> None:

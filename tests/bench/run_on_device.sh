@@ -60,7 +60,7 @@ if [ -n "${PINPOOL_SOAK:-}" ]; then
 fi
 two_rc=skipped
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-  box 60 torchrun --nproc-per-node 2 -m engine.distributed 2>&1 | tee "$LOGS/two_gpu.txt" | tail -3
+  box 60 torchrun --nproc-per-node 2 -m pinpool.bench.engine.distributed 2>&1 | tee "$LOGS/two_gpu.txt" | tail -3
   two_rc=${PIPESTATUS[0]}
 fi
 # Where a decode step's staging time goes, per site and mode (diagnostic; ~15 s).

@@ -27,8 +27,8 @@ import numpy as np
 import structlog
 import torch
 
-from engine import Engine, EngineConfig, ModelConfig, Workload, make_requests
 from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool.bench.engine import Engine, EngineConfig, ModelConfig, Workload, make_requests
 
 DEV = torch.device("cuda", 0)
 DTYPES = [torch.float32, torch.int32, torch.int64, torch.float16, torch.uint8]
@@ -131,8 +131,8 @@ def decode_soak(steps: int) -> dict[str, Any]:
 
 
 def graph_soak(steps: int) -> dict[str, Any]:
-    from engine.graph import CHECK_STEPS
-    from engine.graph_loop import GraphConfig, GraphEngine
+    from pinpool.bench.engine.graph import CHECK_STEPS
+    from pinpool.bench.engine.graph_loop import GraphConfig, GraphEngine
 
     steps = min(steps, CHECK_STEPS - 1)
     cfg = ModelConfig()

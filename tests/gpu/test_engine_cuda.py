@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import MODES, Engine, EngineConfig, ModelConfig, Workload, make_requests
-from engine.bench import zero_copy_refusal
+from pinpool.bench.engine import MODES, Engine, EngineConfig, ModelConfig, Workload, make_requests
+from pinpool.bench.engine.bench import zero_copy_refusal
 from pinpool.testing import no_sync
 
 DEV = torch.device("cuda", 0)

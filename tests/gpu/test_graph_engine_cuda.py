@@ -20,9 +20,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine import EngineConfig, ModelConfig, Workload, make_requests
-from engine.graph_loop import GRAPH_MODES, GraphConfig, GraphEngine, GraphMode
-from engine.requests import Request
+from pinpool.bench.engine import EngineConfig, ModelConfig, Workload, make_requests
+from pinpool.bench.engine.graph_loop import GRAPH_MODES, GraphConfig, GraphEngine, GraphMode
+from pinpool.bench.engine.requests import Request
 
 DEV = torch.device("cuda", 0)
 CFG = ModelConfig(max_context_len=160)

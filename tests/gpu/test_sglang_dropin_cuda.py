@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from memcache import ReqToTokenPool, write_cache_indices
-from memcache.sglang_ref import caller_path
-from memcache.sglang_ref import load as load_write
 from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool.bench.sglang_memcache import caller_path
+from pinpool.bench.sglang_memcache import load as load_write
+from pinpool.bench.sglang_sampling import SglangBatch, SglangParams, SglangReq
+from pinpool.bench.sglang_sampling import load as load_build
 from sampling import (
     Sampler,
     SamplingBatchInfo,
@@ -28,8 +30,6 @@ from sampling import (
     launch_apply_logit_bias,
     mask_sorted_probs,
 )
-from sampling.sglang_ref import SglangBatch, SglangParams, SglangReq
-from sampling.sglang_ref import load as load_build
 
 DEV = torch.device("cuda", 0)
 LAG = 20_000_000  # about 10 ms of GPU sleep on the default stream

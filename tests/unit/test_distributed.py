@@ -28,7 +28,7 @@ def test_two_workers_match_single_worker_replays() -> None:
             "--master-port",
             "29517",
             "-m",
-            "engine.distributed",
+            "pinpool.bench.engine.distributed",
         ],
         cwd=ROOT,
         env=env,

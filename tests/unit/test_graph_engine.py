@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, Mode, ModelConfig, Workload, make_requests
-from engine.graph import DEFAULT_SIZES, graph_sizes
-from engine.graph_loop import GRAPH_MODES, GraphConfig, GraphEngine, GraphMode
-from engine.requests import Request
 from memcache.host_kv_allocator import HostKVAllocator
 from pinpool import StaticStage
+from pinpool.bench.engine import Engine, EngineConfig, Mode, ModelConfig, Workload, make_requests
+from pinpool.bench.engine.graph import DEFAULT_SIZES, graph_sizes
+from pinpool.bench.engine.graph_loop import GRAPH_MODES, GraphConfig, GraphEngine, GraphMode
+from pinpool.bench.engine.requests import Request
 from sampling import RECORD_DTYPE, SAMPLING_FIELDS, sampling_columns
 
 CFG = ModelConfig(max_context_len=96)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool.bench.sglang_sampling import SglangBatch, SglangParams, SglangReq, load, rebuild
 from sampling import SamplingBatchInfo, SamplingParamError, SamplingParams, sglang_params
-from sampling.sglang_ref import SglangBatch, SglangParams, SglangReq, load, rebuild
 from tests.fakes import Batch, Req
 
 VOCAB = 60

@@ -248,7 +248,7 @@ def test_int64_prefixes_match_sglangs_own_call(bs: int) -> None:
     """Catches int64 radix-cache prefixes written differently from sglang's write_cache_indices, e.g. read at
     int32 width. Against the rebuild: sglang's own kernel does not run under every Triton interpreter (3.6 fails
     on it), so the comparison with its real code is the GPU test in tests/gpu/test_sglang_dropin_cuda.py."""
-    from memcache.sglang_ref import caller_path, rebuild
+    from pinpool.bench.sglang_memcache import caller_path, rebuild
 
     rng = random.Random(40 + bs)
     size = bs + 3

@@ -20,11 +20,11 @@ from typing import Any
 import attrs
 import torch
 
-from engine.loop import Engine, EngineConfig
-from engine.model import ModelConfig
-from engine.requests import Request, Workload, make_requests
-from engine.uploader import MODES, Mode
 from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool.bench.engine.loop import Engine, EngineConfig
+from pinpool.bench.engine.model import ModelConfig
+from pinpool.bench.engine.requests import Request, Workload, make_requests
+from pinpool.bench.engine.uploader import MODES, Mode
 from pinpool.bench.kit import BenchContext, Spread, Table, counted_or_none, host_allocs, ratio
 
 WARM_STEPS = 3

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.uploader import Uploader
 from memcache import ReqToTokenPool, write_req_to_token_reference
 from memcache.write_kernel import launch_write_req_to_token
+from pinpool.bench.engine.uploader import Uploader
 from sampling import TOP_K_ALL, SamplingParams
 
 

@@ -16,13 +16,13 @@ from typing import Any
 import attrs
 import torch
 
-from engine.baseline import PerFieldSamplingInfo, write_cache_per_field
-from engine.model import KVCache, ModelConfig, SleepModel, TinyDecoder
-from engine.readback import Pending, TokenReader
-from engine.requests import Request, accept_all
-from engine.uploader import POOL_MODES, Mode, Uploader
 from memcache import ReqToTokenPool, TokenToKVPoolAllocator, allocate_extend, write_cache_indices
 from pinpool import PinnedRingBuffer, PoolSettings, Stage
+from pinpool.bench.engine.baseline import PerFieldSamplingInfo, write_cache_per_field
+from pinpool.bench.engine.model import KVCache, ModelConfig, SleepModel, TinyDecoder
+from pinpool.bench.engine.readback import Pending, TokenReader
+from pinpool.bench.engine.requests import Request, accept_all
+from pinpool.bench.engine.uploader import POOL_MODES, Mode, Uploader
 from pinpool.readback import Landing
 from sampling import Sampler, SamplingBatchInfo
 

@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.model import KVCache, SleepModel, TinyDecoder
 from pinpool import PinnedRingBuffer, StaticField, StaticInputs
+from pinpool.bench.engine.model import KVCache, SleepModel, TinyDecoder
 from sampling import Sampler
 from sampling.static import SAMPLING_FIELDS, StaticSamplingInfo
 

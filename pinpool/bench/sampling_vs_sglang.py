@@ -29,9 +29,9 @@ import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings
 from pinpool.bench.kit import BenchContext, Spread, Table
+from pinpool.bench.sglang_sampling import SglangBatch, SglangReq, load, load_params_class, set_deterministic
 from sampling import sglang_params
 from sampling.batch_info import SamplingBatchInfo
-from sampling.sglang_ref import SglangBatch, SglangReq, load, load_params_class, set_deterministic
 
 #: The issue's batch sizes (1 to 4096), whatever ``--batch-sizes`` says.
 SIZES = (1, 64, 256, 1024, 4096)

@@ -40,14 +40,14 @@ import attrs
 import numpy as np
 import torch
 
-from engine.graph import DEFAULT_SIZES, DecodeGraphs
-from engine.loop import Engine, EngineConfig, StagingClock, _Batch
-from engine.model import ModelConfig, SleepModel, TinyDecoder
-from engine.readback import Pending, TokenReader
-from engine.requests import Request, accept_all
 from memcache import AllocationError, TokenToKVPoolAllocator
 from memcache.host_kv_allocator import HostKVAllocator
 from pinpool import StaticInputs, StaticStage
+from pinpool.bench.engine.graph import DEFAULT_SIZES, DecodeGraphs
+from pinpool.bench.engine.loop import Engine, EngineConfig, StagingClock, _Batch
+from pinpool.bench.engine.model import ModelConfig, SleepModel, TinyDecoder
+from pinpool.bench.engine.readback import Pending, TokenReader
+from pinpool.bench.engine.requests import Request, accept_all
 from pinpool.readback import Landing
 from pinpool.transport import use_stream
 from sampling import SamplingBatchInfo

@@ -38,10 +38,10 @@ from typing import Any
 import attrs
 import torch
 
-from engine.graph_loop import GraphConfig, GraphEngine, GraphMode
-from engine.loop import Engine, EngineConfig
-from engine.model import ModelConfig, TinyDecoder
-from engine.requests import Request, Workload, make_requests
+from pinpool.bench.engine.graph_loop import GraphConfig, GraphEngine, GraphMode
+from pinpool.bench.engine.loop import Engine, EngineConfig
+from pinpool.bench.engine.model import ModelConfig, TinyDecoder
+from pinpool.bench.engine.requests import Request, Workload, make_requests
 from pinpool.bench.kit import BenchContext, Spread, Table, counted_or_none, ratio
 
 WARM_STEPS = 4

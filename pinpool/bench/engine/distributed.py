@@ -1,6 +1,6 @@
 """One decode-loop worker per GPU, each with its own pool on its own device.
 
-    torchrun --nproc-per-node 2 -m engine.distributed
+    torchrun --nproc-per-node 2 -m pinpool.bench.engine.distributed
 
 Every rank serves its own requests; rank 0 then replays each rank's requests alone on one
 GPU and checks the token streams are equal, and every rank checks that nothing of its
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.loop import Engine, EngineConfig
-from engine.model import ModelConfig
-from engine.requests import Request, Workload, make_requests
+from pinpool.bench.engine.loop import Engine, EngineConfig
+from pinpool.bench.engine.model import ModelConfig
+from pinpool.bench.engine.requests import Request, Workload, make_requests
 
 ENGINE = EngineConfig(max_running=16)
 #: The CPU rehearsal (gloo, no GPU) runs a smaller model so CI can afford it.

@@ -4,7 +4,7 @@ Both sides start from the same host lists and prefix tensors of the same values 
 radix-cache values are int64). sglang's side is what its ``alloc_for_extend`` does: four
 pinned int64 uploads, then ``write_cache_indices`` (a pinned upload of the prefix
 addresses and its kernel); its own code when ``.sglang/`` holds it, else the rebuild, as
-the notes say (``memcache.sglang_ref``).
+the notes say (``pinpool.bench.sglang_memcache``).
 
 The leading columns give each call prefix tensors it has never seen, made as sglang's
 scheduler makes them: ``path_device_indices`` returns a fresh ``torch.cat`` of the matched
@@ -36,11 +36,11 @@ import torch
 
 from memcache import prefix_check, write_cache
 from memcache.req_to_token import ReqToTokenPool
-from memcache.sglang_ref import call_uploaded, caller_path, load
 from memcache.write_cache import write_cache_indices
 from memcache.write_kernel import META_ROWS, launch_write_req_to_token
 from pinpool import PinnedRingBuffer, PoolSettings
 from pinpool.bench.kit import BenchContext, Spread, Table
+from pinpool.bench.sglang_memcache import call_uploaded, caller_path, load
 
 #: The issue's batch sizes (1 to 4096), whatever ``--batch-sizes`` says.
 SIZES = (1, 64, 256, 1024, 4096)

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from engine.uploader import POOL_MODES, Mode
 from pinpool import PinnedRingBuffer, Readback
+from pinpool.bench.engine.uploader import POOL_MODES, Mode
 
 Pending = Callable[[], list[int]]
 
