@@ -1,49 +1,44 @@
 """pinpool: a persistent pinned staging ring for per-step GPU metadata.
 
-One ``PinnedRingBuffer`` per worker and device. Each ``stage()`` claims a slot, takes
-values into pinned host memory, and lands them on the device with one asynchronous copy;
-``stage(zero_copy=True)`` lets kernels read the pinned slot in place instead. Test tools
-(the stream-aware simulator, ``no_sync``) are in ``pinpool.testing``.
+One ``PinnedRingBuffer`` per worker and device. ``pool.stage()`` claims a slot, takes values
+into pinned host memory and lands them on the device with one asynchronous copy. A step
+whose shape repeats declares it once as a ``Layout`` of ``Field``s; the same layout lands in
+the ring (``pool.stage(layout, rows=n)``), in a fixed ``DeviceBlock`` a CUDA graph captures,
+in device memory the caller owns (``owned=``) or in the pinned slot itself
+(``zero_copy=True``). Test tools (the stream-aware simulator, ``no_sync``) are in
+``pinpool.testing``.
 """
 
 #: The one place the version is written: pyproject.toml reads it (``[tool.setuptools.dynamic]``).
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
+from pinpool.block import DeviceBlock
 from pinpool.exceptions import (
     CapacityError,
     DeviceMismatchError,
-    HostSyncError,
     PinpoolError,
-    PlatformError,
     PoolStateError,
     SettingsError,
     StagingTypeError,
     StagingValueError,
     StaleLeaseError,
-    ThreadOwnershipError,
-    UnguardedReaderError,
 )
-from pinpool.exchange import Exchange
+from pinpool.layout import Field, Layout
 from pinpool.platform import PlatformReport
 from pinpool.readback import Readback
 from pinpool.ring import PinnedRingBuffer
-from pinpool.settings import OverflowPolicy, PoolSettings
+from pinpool.settings import PoolSettings
 from pinpool.stage import Stage
-from pinpool.static_inputs import HostImage, StaticField, StaticInputs, StaticStage
 from pinpool.stats import PoolStats
-from pinpool.transport import is_pin_memory_available
-from pinpool.zero_copy import ZeroCopyStage
 
 __all__ = [
     "CapacityError",
+    "DeviceBlock",
     "DeviceMismatchError",
-    "Exchange",
-    "HostImage",
-    "HostSyncError",
-    "OverflowPolicy",
+    "Field",
+    "Layout",
     "PinnedRingBuffer",
     "PinpoolError",
-    "PlatformError",
     "PlatformReport",
     "PoolSettings",
     "PoolStateError",
@@ -54,11 +49,4 @@ __all__ = [
     "StagingTypeError",
     "StagingValueError",
     "StaleLeaseError",
-    "StaticField",
-    "StaticInputs",
-    "StaticStage",
-    "ThreadOwnershipError",
-    "UnguardedReaderError",
-    "ZeroCopyStage",
-    "is_pin_memory_available",
 ]

@@ -3,6 +3,8 @@
 Each class subclasses the standard exception a caller would already catch, so
 ``except ValueError`` keeps working, and messages follow one pattern:
 ``'<parameter>' must <rule> (got <value>)``, plus what to do when there is a fix.
+``pinpool`` exports the eight a caller catches; the refinements below them (a pool used from
+another thread, a refused platform, an unguarded reader) are ``PoolStateError`` subclasses.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class PoolStateError(PinpoolError, RuntimeError):
     """The pool was used in a state that forbids the call (closed, nested stage)."""
 
 
-class ThreadOwnershipError(PinpoolError, RuntimeError):
+class ThreadOwnershipError(PoolStateError):
     """A pool was used from a thread other than the one that created it."""
 
 
@@ -60,9 +62,9 @@ class HostSyncError(PinpoolError, RuntimeError):
     """Code inside ``no_sync()`` made (or would make) the host wait on the GPU."""
 
 
-class PlatformError(PinpoolError, RuntimeError):
+class PlatformError(PoolStateError):
     """Zero-copy staging was refused: the start-up platform check found the slab unfit for UVA reads."""
 
 
-class UnguardedReaderError(PinpoolError, RuntimeError):
+class UnguardedReaderError(PoolStateError):
     """(debug) A zero-copy stage closed under a stream that is neither its own nor a registered consumer."""

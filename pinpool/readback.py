@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from pinpool.exceptions import PoolStateError, StaleLeaseError
-from pinpool.slots import VIEW_LIFETIME
+from pinpool.layout import VIEW_LIFETIME
 from pinpool.transport import Fence
 
 

@@ -1,16 +1,22 @@
-"""``Stage``: one open batch in one slot, and the lease on what it staged.
+"""``Stage``: one claim of one ring slot, from open to close, whatever its placement.
 
-Values are written into the slot's pinned host region as they arrive; the matching
-device views are handed back at once, and the data lands there with the stage's single
-copy (issued by ``flush()`` or on exit), on the stream fixed when the stage opened.
-Device views of a ring stage stay valid for ``num_slots - 1`` further claims of the ring
-(``VIEW_LIFETIME``: stages, owned stages, read-backs, library calls' own stages; see
-``PinnedRingBuffer.claims``); ``is_live`` / ``check_live`` say whether the slot has
-been recycled since.
+Values are written into the slot's pinned host memory as they arrive, and the device
+views they will land in are handed back at once. Where they land is the stage's
+placement, fixed at open:
+
+- ``RING``: the slot's device mirror (``pool.stage()``): views rotate with the slot;
+- ``OWNED``: device memory the caller owns or the pool allocates (``owned=``);
+- ``BLOCK``: a fixed device block a CUDA graph captures (``DeviceBlock.stage``);
+- ``IN_PLACE``: the pinned slot itself, read over UVA (``zero_copy=True``): no copy.
+
+One lifecycle: ``OPEN`` (puts) -> ``FLUSHED`` (the one copy issued; kernels may be
+launched) -> ``CLOSED`` (the slot's fence recorded), or ``ABORTED``. The ring decides at
+close what the fence must follow (``PinnedRingBuffer._finish``).
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import struct
 from types import TracebackType
@@ -20,102 +26,105 @@ import numpy as np
 import torch
 
 from pinpool.cache import BoundedCache
-from pinpool.encode import NUMPY_DTYPE, PACKERS, as_source, check_dtype, int_in_range, packer_for, write, write_list
+from pinpool.encode import NUMPY_DTYPE, PACKERS, as_source, check_dtype, int_in_range, packer_for, write
 from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
-from pinpool.platform import PlatformReport
+from pinpool.layout import LANDING_ITEMSIZE, VIEW_LIFETIME, HostImage, Layout, align_up, landing_column
 from pinpool.readback import Landing, Readback, SlotReads
-from pinpool.settings import OverflowPolicy, PoolSettings
-from pinpool.slots import VIEW_LIFETIME, SlotLayout, align_up
-from pinpool.transport import Fence, Stream
+from pinpool.transport import Stream
 
-_ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in [*NUMPY_DTYPE, torch.bfloat16]}
-_NUMPY_ITEMSIZE = {d: _ITEMSIZE[d] for d in NUMPY_DTYPE}
-#: What a landing carries (``pinpool.landing.LANDING_DTYPES``), with each one's size.
-LANDING_ITEMSIZE = {torch.int64: 8, torch.int32: 4, torch.float32: 4}
-#: Each landed value's address carries its landing's dtype in its two low bits (free: the
-#: values are at least 4-byte aligned), so a writer stores exactly that dtype, converted,
-#: whatever it computed: an int64 token into an int32 landing never runs past it.
-LANDING_TAG = {torch.int64: 0, torch.int32: 1, torch.float32: 2}
-_OFFSETS: BoundedCache[tuple[int, int], np.ndarray[Any, Any]] = BoundedCache()
+_ITEMSIZE = {d: d.itemsize for d in [*NUMPY_DTYPE, torch.bfloat16]}
+#: torch dtype -> its numpy dtype object (compared by identity: numpy keeps one per builtin
+#: native-order type, so a byte-swapped array takes the converting path).
+_NUMPY_OF = {d: np.dtype(n) for d, n in NUMPY_DTYPE.items()}
+LAND_WITHOUT_FLUSH = (
+    "a stage with landings needs flush() before close: the writer is launched between the two, after the "
+    "copy that carries its addresses; the stage was aborted and nothing was copied"
+)
 
 
-class SlotInterface(SlotReads, Protocol):
-    """What a stage asks of its ring: the ring's slot interface (``PinnedRingBuffer`` is the one implementation).
+class Placement(enum.Enum):
+    RING = "ring"
+    OWNED = "owned"
+    BLOCK = "block"
+    IN_PLACE = "in place"
 
-    Typed here, beside its users (``Stage``, ``Exchange``, ``ZeroCopyStage``, ``StaticInputs``'
-    landings), so that the stage modules never import the ring: the ring imports them.
-    """
+
+class State(enum.Enum):
+    OPEN = "open"
+    FLUSHED = "flushed"
+    CLOSED = "closed"
+    ABORTED = "aborted"
+
+
+OPEN, FLUSHED, CLOSED, ABORTED = State.OPEN, State.FLUSHED, State.CLOSED, State.ABORTED
+RING, OWNED, BLOCK, IN_PLACE = Placement.RING, Placement.OWNED, Placement.BLOCK, Placement.IN_PLACE
+
+
+class SlotMemory:
+    """One slot's pinned bytes (as torch, numpy and the slab's memoryview) and the device memory it copies to."""
+
+    __slots__ = ("address", "alias", "alignment", "device_raw", "host", "host_base", "host_bytes", "host_raw", "views")
+
+    def __init__(
+        self, host_raw: torch.Tensor, device_raw: torch.Tensor, host_bytes: memoryview, host_base: int, alignment: int
+    ) -> None:
+        self.host_raw = host_raw
+        self.device_raw = device_raw
+        #: The device-readable alias of the pinned bytes (UVA), once the platform check passed.
+        self.alias: torch.Tensor | None = None
+        self.host_bytes = host_bytes
+        self.host_base = host_base
+        self.alignment = alignment
+        self.address: int = host_raw.data_ptr()
+        raw_np = host_raw.numpy()
+        self.host: dict[torch.dtype, Any] = {d: raw_np.view(n) for d, n in NUMPY_DTYPE.items()}
+        #: A decode step repeats its puts and its layout at the same offsets of a slot: the
+        #: views they make are kept here, keyed by what they cover.
+        self.views: BoundedCache[tuple[Any, ...], Any] = BoundedCache()
 
     @property
-    def settings(self) -> PoolSettings: ...
+    def nbytes(self) -> int:
+        return int(self.host_raw.numel())
+
+
+class RingSide(SlotReads, Protocol):
+    """What a stage asks of its ring: private to the package (``PinnedRingBuffer`` is the one implementation)."""
 
     @property
-    def platform(self) -> PlatformReport: ...
+    def settings(self) -> Any: ...
 
     @property
     def device(self) -> torch.device: ...
 
-    @property
-    def can_land(self) -> bool: ...
+    def _issue_copy(self, st: Stage) -> None: ...
 
-    def slot_fence(self, slot: int) -> Fence: ...
+    def _finish(self, st: Stage, ok: bool) -> None: ...
 
-    def retain(self, slot: int, objs: tuple[Any, ...]) -> None: ...
+    def _retain(self, slot: int, objs: tuple[Any, ...]) -> None: ...
 
-    def spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor: ...
+    def _spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor: ...
 
-    def issue_copy(self, st: Stage) -> None: ...
+    def _readback_views(self, mem: SlotMemory, src: torch.Tensor, offset: int) -> tuple[torch.Tensor, Any, int]: ...
 
-    def finish_stage(self, st: Stage, ok: bool) -> None: ...
+    def _copy_back(self, st: Stage, host_t: torch.Tensor, host_np: Any, src: torch.Tensor, nbytes: int) -> Readback: ...
 
-    def finish_zero_copy(self, st: Stage, ok: bool) -> None: ...
+    def _fence_of(self, slot: int) -> Any: ...
 
-    def readback_views(self, slot: int, src: torch.Tensor, offset: int) -> tuple[torch.Tensor, Any, int]: ...
-
-    def copy_back(
-        self,
-        slot: int,
-        generation: int,
-        src: torch.Tensor,
-        offset: int,
-        stream: Stream,
-        views: tuple[torch.Tensor, Any, int] | None = None,
-    ) -> Readback: ...
+    def _check_can_land(self) -> None: ...
 
 
-def landing_itemsize(pool: SlotInterface, dtype: torch.dtype) -> int:
-    """The size of a landed ``dtype`` value, once the pool's kernels may write its slots; typed errors else."""
-    if not pool.can_land:
-        raise pool.platform.refusal(pool.device)  # PoolStateError / PlatformError, saying why
-    itemsize = LANDING_ITEMSIZE.get(dtype)
-    if itemsize is None:
-        known = list(map(str, LANDING_ITEMSIZE))
-        raise StagingTypeError(f"'dtype' of a landing must be one of {known} (got {dtype})")
-    return itemsize
+class BlockSide(Protocol):
+    """What a ``BLOCK`` stage asks of its ``DeviceBlock`` around the copy."""
 
+    def before_copy(self, stream: Stream) -> None: ...
 
-def landing_offsets(numel: int, dtype: torch.dtype) -> np.ndarray[Any, Any]:
-    """int64 [numel]: each value's byte offset in a landing plus its dtype tag, cached (the same every step)."""
-    offsets = _OFFSETS.get((numel, LANDING_TAG[dtype]))
-    if offsets is None:
-        column = np.arange(numel, dtype=np.int64) * LANDING_ITEMSIZE[dtype] + LANDING_TAG[dtype]
-        offsets = _OFFSETS.put((numel, LANDING_TAG[dtype]), column)
-    return offsets
+    def after_copy(self, stream: Stream) -> None: ...
 
-
-#: Why a stage with landings that was never flushed is refused at close.
-LAND_WITHOUT_FLUSH = (
-    "land() needs flush() before close: the writer must be launched between the two, after the copy that "
-    "carries its addresses; the stage was aborted and nothing was copied"
-)
-_NESTED = (list, tuple, np.ndarray)
-#: torch dtype -> its numpy dtype object (compared by identity: numpy keeps one per builtin
-#: native-order type, so a byte-swapped array takes the converting path).
-_NUMPY_OF = {d: np.dtype(n) for d, n in NUMPY_DTYPE.items()}
+    def wait_for_readers(self, stream: Stream) -> None: ...
 
 
 class Stage:
-    """An open stage: ``put`` / ``reserve`` values, then one copy on exit.
+    """An open claim of one slot: ``put`` / ``reserve`` values, then one copy (``flush`` or exit).
 
     Example::
 
@@ -125,78 +134,72 @@ class Stage:
             host[:] = 7
         # exit: one copy of the used bytes on ``st.stream``, then the slot's fence
 
-    ``st.stream`` is fixed when the stage opens; the copy, the fence and read-backs use
-    it wherever the stage is closed.
+    With a layout (``pool.stage(layout, rows=...)`` or ``DeviceBlock.stage``), ``put(name,
+    values)`` writes a field's live rows, ``views`` holds every field's device view and
+    ``landing(name)`` reads a landing field's results after close.
     """
 
     __slots__ = (
-        "_align",
-        "_capacity",
+        "_block",
         "_cursor",
+        "_host_views",
         "_landings",
-        "_layout",
-        "_open",
-        "_pool",
-        "_tail",
+        "_mem",
+        "_padded",
+        "_ring",
+        "_written",
+        "capacity",
         "copy_issued",
-        "flushed",
+        "dst",
         "generation",
-        "guarded_by",
-        "landings",
-        "owned_device",
-        "owned_reused",
-        "read_back",
+        "landing_bytes",
+        "layout",
+        "live",
+        "placement",
+        "rows",
         "slot",
-        "spilled",
+        "state",
         "stream",
+        "tail",
         "used_bytes",
+        "views",
     )
 
     def __init__(
         self,
-        pool: SlotInterface,
-        layout: SlotLayout,
+        ring: RingSide,
+        mem: SlotMemory,
         slot: int,
         generation: int,
         stream: Stream,
-        owned_device: torch.Tensor | None,
+        placement: Placement,
+        dst: torch.Tensor,
+        block: BlockSide | None = None,
     ) -> None:
-        self._pool = pool
-        self._layout = layout
-        self.slot = slot
-        self.generation = generation
-        #: The stream this stage's copy, fence and read-backs go to, fixed at open.
+        self._ring, self._mem, self.slot, self.generation = ring, mem, slot, generation
+        #: The stream of this stage's copy, fence and read-backs, fixed at open.
         self.stream = stream
-        #: Consumer-owned device memory the copy lands in instead of the ring (rule 4).
-        self.owned_device = owned_device
-        #: True when the caller passes this same ``owned=`` buffer stage after stage (``reuse_owned=True``).
-        self.owned_reused = False
-        slot_bytes = layout.nbytes
-        self._capacity = slot_bytes if owned_device is None else min(slot_bytes, owned_device.numel())
-        self._align = layout.alignment
-        self._cursor = 0
-        #: Bytes of the slot the stage's copy covers so far (puts, reservations, address columns).
-        #: Kept by the stage, read by the ring: read-only to callers.
-        self.used_bytes = 0
-        # Landings (``land``) are claimed from the slot's end down, outside the
-        # copied bytes; puts, reservations and read-backs stop where they start.
-        self._tail = slot_bytes
-        #: Landing handles of this stage (``land``), made readable by a successful close.
-        self._landings: list[Landing] = []
-        #: True once landing bytes are claimed (``land``): kernels store into this stage's slot,
-        #: so its fence follows them (and every registered consumer). Read-only to callers.
-        self.landings = False
-        self._open = True
-        self.flushed = False
-        self.spilled = False
-        self.read_back = False
-        #: True once a copy of this stage is queued: its fence must then be recorded.
+        self.placement = placement
+        #: The device memory the views are carved from and the copy lands in.
+        self.dst = dst
+        self._block = block
+        self.capacity = min(mem.nbytes, dst.numel())
+        self._cursor = self.used_bytes = 0
+        #: Landing bytes are claimed from the slot's end down, outside the copied bytes.
+        self.tail = mem.nbytes
+        self.landing_bytes = False
         self.copy_issued = False
-        #: Streams besides the registered consumers whose work the slot's fence follows (a
-        #: ``StaticInputs`` block's readers): debug mode does not refuse a close under them.
-        self.guarded_by: tuple[Stream, ...] = ()
+        self.state = OPEN
+        self._landings: list[Landing] = []
+        self.layout: Layout | None = None
+        self.rows = self.live = 0
+        self._written = 0
+        self._padded = False
+        self._host_views: list[np.ndarray[Any, Any]] = []
+        #: With a layout: name -> each field's device view of ``rows`` elements.
+        self.views: dict[str, torch.Tensor] = {}
 
-    # -- context manager ---------------------------------------------------------------
+    # -- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> Stage:
         return self
 
@@ -205,91 +208,98 @@ class Stage:
     ) -> None:
         self.close(ok=exc_type is None)
 
+    def flush(self) -> None:
+        """Issue the stage's one copy now (padding first), leaving it open for kernel launches."""
+        if self.state is not OPEN:
+            self._check_open()  # raises
+        self._issue()
+
     def close(self, ok: bool = True) -> None:
-        """Finish a stage opened without ``with``: copy (if ``ok``) and record the fence."""
-        if self._open:
-            # A landing's addresses travel in the copy, and its writer runs after it: with the
-            # copy issued only now, at close, no writer can have stored into the slot.
-            flushed = self.flushed
-            self._open = False
-            if ok and not flushed and self._landings:
+        """Finish the stage: the copy if not issued yet (``ok``), then the slot's fence; or abort."""
+        state = self.state
+        if state is CLOSED or state is ABORTED:
+            return
+        if ok and state is OPEN:
+            if self._landings and self.placement is not IN_PLACE:
                 # The copy would carry live addresses that a kernel launched after close
                 # could still store through, past the slot's fence: abort instead.
-                self._pool.finish_stage(self, False)
+                self.close(ok=False)
                 raise PoolStateError(LAND_WITHOUT_FLUSH)
-            self._pool.finish_stage(self, ok)
-            if ok and flushed and self._landings:
-                for handle in self._landings:  # arm_landings, inline: it runs every decode step
-                    handle.armed = True
-
-    def arm_landings(self) -> None:
-        """After a successful close: the slot's fence follows the writing kernels, so the handles may read."""
-        for handle in self._landings:
-            handle.armed = True
-
-    # -- staging -----------------------------------------------------------------------
-    @property
-    def pool(self) -> SlotInterface:
-        """The pool this stage belongs to (a library building into a caller's stage checks it)."""
-        return self._pool
+            try:
+                self._issue()  # raises, the stage aborted, when a layout field was not written
+            except BaseException:
+                self.close(ok=False)
+                raise
+        if ok and self._landings and self._block is not None:
+            # The writer is the graph replay, maybe on a registered reader: the fence follows it.
+            self._block.wait_for_readers(self.stream)
+        self.state = CLOSED if ok else ABORTED
+        self._ring._finish(self, ok)
+        if ok:
+            for handle in self._landings:
+                handle.armed = True
 
     @property
     def is_open(self) -> bool:
         """True until the stage is closed (by ``with`` exit or ``close``)."""
-        return self._open
+        return self.state is OPEN or self.state is FLUSHED
+
+    @property
+    def flushed(self) -> bool:
+        return self.state is not OPEN
 
     @property
     def owned(self) -> bool:
-        return self.owned_device is not None
+        return self.placement is OWNED
 
-    def put(self, values: Any, dtype: torch.dtype | None = None, *, name: str = "values") -> torch.Tensor:
-        """Write ``values`` into the slot and return the device tensor they will land in.
+    @property
+    def pool(self) -> RingSide:
+        """The pool this stage belongs to (a library building into a caller's stage checks it)."""
+        return self._ring
 
-        Accepts lists/tuples/scalars (``dtype`` required), numpy arrays, CPU tensors and
-        bytes-like objects. The value is converted exactly or a typed error is raised
-        before the stage advances.
+    @property
+    def is_live(self) -> bool:
+        """False once the views may hold other data: the slot recycled (ring), the stage closed (in place)."""
+        if self.placement is OWNED or self.placement is BLOCK:
+            return True
+        if self.placement is IN_PLACE and not self.is_open:
+            return False
+        return self._ring.slot_generation(self.slot) == self.generation
+
+    def check_live(self, what: str = "staged slice") -> None:
+        if not self.is_live:
+            after = "its stage closed" if self.placement is IN_PLACE else "its slot was recycled"
+            raise StaleLeaseError(
+                f"{what} of stage {self.generation} (slot {self.slot}) was used after {after}; ring views live "
+                f"{VIEW_LIFETIME}, zero-copy views until close; stage data that must live longer with owned="
+            )
+
+    # -- ad-hoc values -----------------------------------------------------------------
+    def put(self, values: Any, dtype: Any = None, *, name: str = "values") -> Any:
+        """Write ``values`` into the slot; return the device tensor they will land in.
+
+        Accepts lists, tuples and scalars (``dtype`` required), numpy arrays, CPU tensors and
+        bytes-like objects, converted exactly or refused with a typed error before the
+        stage advances. With a layout, ``put("field", values)`` writes that field's live rows.
         """
-        if not self._open or self.flushed:
+        if self.state is not OPEN:
             self._check_open()
+        if type(values) is str:
+            self._put_field(values, dtype)
+            return None
         if type(values) is list and type(dtype) is torch.dtype:
-            # Hot path (a scheduler's per-request list): claim and write inline, in as few
-            # calls as possible (right after a step's launches each call runs cold).
-            numel = len(values)
-            packer = PACKERS.get((dtype, numel))
-            if packer is None:
-                packer = packer_for(dtype, numel)  # None for a dtype struct does not pack
+            # A scheduler's per-request list: struct checks each element (ints in range,
+            # floats that fit) and packs it straight into the slot.
+            packer = PACKERS.get((dtype, len(values))) or packer_for(dtype, len(values))
             start = self._cursor
-            if packer is not None and start + packer.size <= self._capacity and start + packer.size <= self._tail:
-                layout = self._layout
+            if packer is not None and start + packer.size <= min(self.capacity, self.tail):
+                mem = self._mem
                 try:
-                    # struct checks each element: ints in range, floats that fit (``packer_for``).
-                    packer.pack_into(layout.host_bytes, layout.host_base + start, *values)
+                    packer.pack_into(mem.host_bytes, mem.host_base + start, *values)
                 except (struct.error, TypeError, OverflowError):
-                    pass  # not exact as struct packs it, or nested: the paths below convert or raise typed
+                    pass  # not exact as struct packs it: the general path converts or raises typed
                 else:
-                    first = start // _NUMPY_ITEMSIZE[dtype]
-                    device = layout.device_views.get((dtype, first, numel)) if self.owned_device is None else None
-                    if device is None:
-                        device = self._device_view(dtype, first, numel)
-                    end = self.used_bytes = start + packer.size
-                    self._cursor = align_up(end, self._align)
-                    return device
-        if type(values) is list and dtype in _NUMPY_ITEMSIZE and not (values and type(values[0]) in _NESTED):
-            # A flat list struct would not pack (a dtype it has no code for, a value it
-            # refused): numpy writes it, or raises the typed error.
-            numel = len(values)
-            itemsize = _NUMPY_ITEMSIZE[dtype]
-            start = self._cursor
-            end = start + numel * itemsize
-            if end <= self._capacity and end <= self._tail:
-                first = start // itemsize
-                write_list(self._layout.host[dtype][first : first + numel], values, dtype, name)
-                device = self._device_view(dtype, first, numel)
-                self.used_bytes = end
-                self._cursor = align_up(end, self._align)
-                return device
-            shape: tuple[int, ...] = (numel,)
-            src, target = values, dtype
+                    return self._advance(start, dtype, len(values), packer.size)
         elif (
             type(values) is np.ndarray
             and values.ndim == 1
@@ -297,28 +307,28 @@ class Stage:
             and values.dtype is _NUMPY_OF.get(dtype)
             and values.flags.c_contiguous
         ):
-            # Hot path (a scheduler's own int64/float32 array, already the target dtype): a memcpy.
-            numel = values.shape[0]
-            itemsize = values.itemsize
-            start = self._cursor
-            end = start + numel * itemsize
-            if end <= self._capacity and end <= self._tail:
-                layout = self._layout
-                base = layout.host_base + start
-                layout.host_bytes[base : base + numel * itemsize] = values.view(np.uint8)  # type: ignore[call-overload]  # numpy arrays are buffers
-                device = self._device_view(dtype, start // itemsize, numel)
-                self.used_bytes = end
-                self._cursor = align_up(end, self._align)
-                return device
-            src, target, shape = as_source(values, dtype, name)
-            numel = math.prod(shape)
+            start, nbytes = self._cursor, values.nbytes
+            if start + nbytes <= min(self.capacity, self.tail):
+                mem = self._mem
+                base = mem.host_base + start
+                mem.host_bytes[base : base + nbytes] = values.view(np.uint8)  # type: ignore[call-overload]
+                return self._advance(start, dtype, values.shape[0], nbytes)
+        src, target, shape = as_source(values, dtype, name)
+        numel = math.prod(shape)
+        start, nbytes = self._cursor, numel * _ITEMSIZE[target]
+        if start + nbytes > min(self.capacity, self.tail):
+            if self._ring.settings.overflow.value == "spill" and self.placement is not IN_PLACE:
+                device = self._ring._spill(self, src, target, numel, name)  # raises before queueing on bad values
+                self.copy_issued = True
+                return device if len(shape) == 1 else device.view(shape)
+            raise CapacityError(self._capacity_message(nbytes, name))
+        if target is torch.bfloat16:
+            host: Any = self._mem.host_raw[start : start + nbytes].view(torch.bfloat16)
         else:
-            src, target, shape = as_source(values, dtype, name)
-            numel = math.prod(shape)
-        host, device = self._claim(numel, target, name, src)
-        if host is not None:
-            write(host, src, target, name)
-            self._commit_claim(numel, target)
+            first = start // _ITEMSIZE[target]
+            host = self._mem.host[target][first : first + numel]
+        write(host, src, target, name)
+        device = self._advance(start, target, numel, nbytes)
         return device if len(shape) == 1 else device.view(shape)
 
     def reserve(
@@ -326,306 +336,252 @@ class Stage:
     ) -> tuple[np.ndarray[Any, Any], torch.Tensor]:
         """Claim ``numel`` elements: (numpy host view to fill in place, device view they land in).
 
-        For callers that pack records themselves; numpy dtypes only (``put`` takes
-        bfloat16). The host view is valid only until the stage's copy is issued. A
-        reservation never spills: it raises ``CapacityError`` when it does not fit.
+        For callers that pack records themselves; numpy dtypes only. The host view is valid
+        until the copy is issued. Never spills: ``CapacityError`` when it does not fit.
         """
-        self._check_open()
+        if self.state is not OPEN:
+            self._check_open()
         target = check_dtype(dtype, name)
-        if target not in _NUMPY_ITEMSIZE:
+        if target not in NUMPY_DTYPE:
             raise StagingTypeError(f"'{name}' reserve() needs a numpy dtype (got {target}); use put() for it")
         if not int_in_range(numel, 0):
             raise StagingValueError(f"'{name}' numel must be an int >= 0 (got {numel!r})")
-        host, device = self._claim(numel, target, name, None)
-        assert isinstance(host, np.ndarray)
-        self._commit_claim(numel, target)
-        return host, device
-
-    def reserve_host(self, nbytes: int, *, name: str = "values") -> np.ndarray[Any, Any]:
-        """Claim ``nbytes`` bytes and return only their pinned host view (uint8).
-
-        For a caller that knows where the bytes land on the device itself (an owned stage
-        whose buffer it laid out, as ``StaticInputs`` does): no device view is built.
-        Same rules as ``reserve``: never spills, valid until the copy is issued.
-        """
-        start = self.claim_bytes(nbytes, name=name)
-        host: np.ndarray[Any, Any] = self._layout.host[torch.uint8][start : start + nbytes]
-        return host
-
-    def claim_bytes(self, nbytes: int, *, name: str = "values") -> int:
-        """``reserve_host`` without building its view: the claimed bytes' offset in the slot.
-
-        For a caller that keeps its own views of the slot (``StaticInputs``, by slot and size).
-        """
-        if not self._open or self.flushed:
-            self._check_open()  # raises
-        if not int_in_range(nbytes, 0):
-            raise StagingValueError(f"'{name}' nbytes must be an int >= 0 (got {nbytes!r})")
-        start = self._cursor
-        if start + nbytes > min(self._capacity, self._tail):
+        start = align_up(self._cursor, _ITEMSIZE[target])
+        nbytes = numel * _ITEMSIZE[target]
+        if start + nbytes > min(self.capacity, self.tail):
             raise CapacityError(self._capacity_message(nbytes, name))
-        end = self.used_bytes = start + nbytes
-        self._cursor = align_up(end, self._align)
-        return start
+        first = start // _ITEMSIZE[target]
+        host = self._mem.host[target][first : first + numel]
+        return host, self._advance(start, target, numel, nbytes)
 
-    def reserve_landing(self, nbytes: int, *, name: str = "landing") -> tuple[int, np.ndarray[Any, Any]]:
-        """Claim ``nbytes`` of the slot's pinned memory for a kernel to write: (host address, uint8 view).
+    def land(self, numel: int, dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, Landing]:
+        """Have a kernel store ``numel`` values straight into this slot: (int64 device addresses, handle).
 
-        The building block of ``land`` and ``StaticStage.land``, which also return the handle that reads them.
-        The bytes lie past everything the stage copies (claimed from the slot's end), so
-        the copy never covers them. Once claimed, the stage's close records the slot's
-        fence after its stream and every registered consumer stream (``landings``), even
-        with nothing copied or after a read-back, so the slot is not reused before the
-        writer ran.
+        The values' bytes are claimed at the slot's end (outside the copy), and each one's
+        pinned host address is put in the copy: pass that view to the writer
+        (``pinpool.landing.land``, or the sampler's ``land_to``), launch it after ``flush``
+        and before close, on the stage's stream or a registered consumer. The handle reads
+        the values after a successful close. Needs ``PoolSettings(zero_copy=True)``.
         """
-        return self.slot_view(self.claim_landing(nbytes, name=name), nbytes)
-
-    def slot_view(self, start: int, nbytes: int) -> tuple[int, np.ndarray[Any, Any]]:
-        """(host address, uint8 view) of ``nbytes`` of this slot's pinned bytes at ``start``, claimed by this stage."""
-        host: np.ndarray[Any, Any] = self._layout.host[torch.uint8][start : start + nbytes]
-        return self._layout.host_raw.data_ptr() + start, host
-
-    def claim_landing(self, nbytes: int, *, name: str = "landing") -> int:
-        """``reserve_landing`` without building its views: the claimed bytes' offset in the slot."""
-        if not self._open:
-            self._check_open()  # raises: closed
-        if not int_in_range(nbytes, 0):
-            raise StagingValueError(f"'{name}' nbytes must be an int >= 0 (got {nbytes!r})")
-        align = self._align
-        start = (self._tail - nbytes) // align * align
-        if start < self._cursor:
-            raise CapacityError(
-                f"'{name}' needs {nbytes} bytes but the slot has {max(self._tail - self._cursor, 0)} left "
-                f"of {self._pool.settings.slot_bytes}; raise PoolSettings.slot_bytes"
-            )
-        self._tail = start
-        self.landings = True
-        return start
-
-    def write_host(self, offset: int, data: bytes | np.ndarray[Any, Any]) -> None:
-        """Copy ``data`` (bytes, or a contiguous uint8 array) into the slot's pinned bytes at ``offset``: a memcpy.
-
-        For a caller that wrote those bytes' layout itself (``StaticStage.land``); the
-        bytes must be ones this stage claimed and not yet copied.
-        """
-        if self.flushed or not self._open:
-            self._check_open()  # raises: closed or flushed
-        if isinstance(data, np.ndarray) and (data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous):
-            raise StagingTypeError(
-                f"'data' must be bytes or a contiguous 1-D uint8 array (got {data.dtype} {data.shape})"
-            )
-        nbytes = len(data)
-        # The memoryview spans the whole slab: a write past this slot would land in another one.
-        if not int_in_range(offset, 0, self._tail - nbytes):
-            raise CapacityError(
-                f"'data' ({nbytes} bytes at offset {offset!r}) must lie in this slot's first {self._tail} bytes"
-            )
-        layout = self._layout
-        base = layout.host_base + offset
-        layout.host_bytes[base : base + nbytes] = data  # type: ignore[assignment]  # numpy arrays are buffers
-
-    def land(
-        self, numel: int, dtype: torch.dtype = torch.int64, *, name: str = "landing"
-    ) -> tuple[torch.Tensor, Landing]:
-        """Have a kernel store ``numel`` values straight into this slot: (device addresses, handle).
-
-        Reserves the values' bytes at the slot's end (outside the copy) and puts, in the
-        stage's copy, the pinned host address of each one: pass the returned int64 device
-        view to the kernel that writes them (``pinpool.landing.land``, or the sampler's
-        ``land_to``). Call it before ``flush``; launch that kernel before close, on the
-        stage's stream or a registered consumer stream (close fences after both). The
-        handle reads the values after a successful close, within ``num_slots - 1`` further
-        claims of the ring (``VIEW_LIFETIME``). Needs ``pool.can_land`` (``PoolSettings(zero_copy=True)``).
-        """
-        # A step repeats its layout: with the same cursor, tail and size, the landing and its
-        # address column land at the same bytes of this slot. They are built once (numpy,
-        # the checks) and kept with the slot's layout; a step then copies the column's bytes
-        # into place, with no numpy call: right after a step's launches numpy's first calls
-        # run cold, at many times their cost alone. A plan exists only
-        # for arguments that passed every check below, on a pool whose kernels may land.
-        layout = self._layout
-        plan = None
-        if (
-            self._open
-            and not self.flushed
-            and self.owned_device is None
-            and type(numel) is int
-            and type(dtype) is torch.dtype
-        ):
-            plan = layout.landings.get((self._cursor, self._tail, self._capacity, numel, dtype))
-        if plan is None:
-            landing_itemsize(self._pool, dtype)  # raises where kernels may not write the slots, or for the dtype
-            if not int_in_range(numel, 0):
-                raise StagingValueError(f"'{name}' numel must be an int >= 0 (got {numel!r})")
+        if self.state is not OPEN:
             self._check_open()
-            key = (self._cursor, self._tail, self._capacity, numel, dtype)
-            try:
-                plan = self._plan_landing(numel, dtype, name)
-            except CapacityError:
-                if self._pool.settings.overflow is not OverflowPolicy.SPILL:
-                    raise
-                return self._land_spilled(numel, dtype, name)
-            if self.owned_device is None:  # an owned buffer may be another one next time
-                layout.landings.put(key, plan)
-        tail, end, offset, column, addresses, values, fence = plan
-        base = layout.host_base + offset
-        layout.host_bytes[base : base + len(column)] = column
-        self._tail, self.landings, self.used_bytes = tail, True, end
-        self._cursor = align_up(end, self._align)
-        handle = Landing(self._pool, self.slot, self.generation, fence, values)
-        self._landings.append(handle)
-        return addresses, handle
-
-    def landing_handle(self, values: np.ndarray[Any, Any]) -> Landing:
-        """The handle that reads ``values`` (a landing's typed host view) after this slot's fence."""
-        pool = self._pool
-        return Landing(pool, self.slot, self.generation, pool.slot_fence(self.slot), values)
-
-    def _land_spilled(self, numel: int, dtype: torch.dtype, name: str) -> tuple[torch.Tensor, Landing]:
-        """``land`` when the address column does not fit and the pool spills (``overflow='spill'``):
-        the landing at the slot's end as always, its addresses through a spilled put (never cached)."""
-        tail, landing = self._tail, self.landings
-        address, raw = self.reserve_landing(numel * LANDING_ITEMSIZE[dtype], name=name)
+        self._ring._check_can_land()
+        if not int_in_range(numel, 0):
+            raise StagingValueError(f"'numel' must be an int >= 0 (got {numel!r})")
+        column = landing_column(numel, dtype)  # typed error for a dtype no landing carries
+        tail, cursor, used = self.tail, self._cursor, self.used_bytes
+        start = self._claim_tail(numel * LANDING_ITEMSIZE[dtype], "landing")
         try:
-            addresses = self.put(landing_offsets(numel, dtype) + address, torch.int64, name=name)
+            host, addresses = self.reserve(numel, torch.int64, name="landing")
         except BaseException:
-            self._tail, self.landings = tail, landing  # nothing taken
+            self.tail, self._cursor, self.used_bytes = tail, cursor, used
             raise
-        handle = self.landing_handle(raw.view(NUMPY_DTYPE[dtype]))
-        self._landings.append(handle)
-        return addresses, handle
-
-    def _plan_landing(
-        self, numel: int, dtype: torch.dtype, name: str
-    ) -> tuple[int, int, int, bytes, torch.Tensor, np.ndarray[Any, Any], Fence]:
-        """Where a landing of ``numel`` ``dtype`` goes from the stage's current cursor and tail, checked:
-        (new tail, new end of the copied bytes, the address column's byte offset in the slot, its
-        bytes, its device view, the landing's typed host view, the slot's fence). Leaves the stage
-        as it was."""
-        itemsize = LANDING_ITEMSIZE[dtype]
-        tail, landing, cursor, end = self._tail, self.landings, self._cursor, self.used_bytes
-        try:
-            address, raw = self.reserve_landing(numel * itemsize, name=name)
-            host, addresses = self.reserve(numel, torch.int64, name=name)  # never spills: raises when it does not fit
-            offset = host.__array_interface__["data"][0] - self._layout.host[torch.uint8].__array_interface__["data"][0]
-            column = landing_offsets(numel, dtype) + address
-            values = raw.view(NUMPY_DTYPE[dtype])
-            fence = self._pool.slot_fence(self.slot)  # one object per slot, for the pool's life
-            return self._tail, self.used_bytes, offset, column.tobytes(), addresses, values, fence
-        finally:
-            # Planned only: ``land`` applies the plan.
-            self._tail, self.landings, self._cursor, self.used_bytes = tail, landing, cursor, end
-
-    def retain(self, *objs: Any) -> None:
-        """Keep ``objs`` alive until this slot's fence has passed (rule 5).
-
-        The fence is recorded on exit, after any kernel launched between ``flush()``
-        and exit, so a tensor whose address was staged outlives that kernel.
-        """
-        self._check_open()
-        self._pool.retain(self.slot, objs)
-
-    def flush(self) -> None:
-        """Issue the stage's one copy now, leaving the stage open for kernel launches."""
-        if not self._open or self.flushed:
-            self._check_open()  # raises
-        self._pool.issue_copy(self)
-        self.flushed = True
+        np.add(column, self._mem.address + start, out=host)
+        return addresses, self._new_landing(start, numel, dtype)
 
     def readback(self, src: torch.Tensor) -> Readback:
-        """Copy the device tensor ``src`` back into this stage's slot, under the slot's fence.
+        """Copy device tensor ``src`` back into this stage's slot, under the slot's fence; flushes first.
 
-        For a step that uploads its metadata and reads back its result: put, flush, launch
-        the step's kernels, then ``readback`` their output. One slot and one fence serve
-        both directions instead of two. The fence is recorded here, after this copy, so
-        call it last: kernels that read the stage's data or its retained tensors must be
-        launched before it, and nothing can be put or retained after it. Several
-        read-backs may follow each other. Read the handle within ``num_slots - 1`` further
-        claims of the ring (``VIEW_LIFETIME``), like ``pool.readback``.
+        One slot and one fence serve both directions: put, flush, launch the step, then read
+        back its output. Launch every kernel that reads the stage before it; nothing can be
+        put after it. Read the handle within ``VIEW_LIFETIME``.
         """
-        return self.readback_planned(src, self.readback_plan(src))
-
-    def readback_plan(self, src: torch.Tensor) -> tuple[int, tuple[torch.Tensor, Any, int]]:
-        """Where ``readback(src)`` would copy in this slot, checked: (offset, the pinned views).
-
-        Raises the typed errors of a read-back it cannot do and changes nothing, so a
-        caller that must flush its own way first (``StaticStage``) can check before it.
-        """
-        if not self._open:
+        if not self.is_open:
             self._check_open()
-        offset = align_up(self._cursor, self._align)
-        views = self._pool.readback_views(self.slot, src, offset)  # typed errors for a src it cannot copy
-        if offset + views[2] > self._tail:
+        offset = align_up(self._cursor, self._mem.alignment)
+        host_t, host_np, nbytes = self._ring._readback_views(self._mem, src, offset)  # typed errors first
+        if offset + nbytes > self.tail:
             raise CapacityError(
-                f"'src' needs {views[2]} bytes but the slot has {self._tail - offset} left "
-                "before its landings; raise PoolSettings.slot_bytes"
+                f"'src' needs {nbytes} bytes but the slot has {max(self.tail - offset, 0)} left before its landings; "
+                "raise PoolSettings.slot_bytes"
             )
-        return offset, views
-
-    def readback_planned(self, src: torch.Tensor, plan: tuple[int, tuple[torch.Tensor, Any, int]]) -> Readback:
-        """``readback`` with ``readback_plan(src)`` already taken: flush if needed, then the copy and the fence."""
-        offset, views = plan
-        if not self.flushed:
+        if self.state is OPEN:
             self.flush()
-        # The fence is recorded after this copy (and so after the stage's upload and every
-        # kernel launched before): the stage's exit need not record it again.
-        handle = self._pool.copy_back(self.slot, self.generation, src, offset, self.stream, views)
-        self._cursor = offset + views[2]
-        self.read_back = self.copy_issued = True
+        if self._block is not None:
+            self._block.wait_for_readers(self.stream)  # ``src`` is written by the replay, maybe on a reader
+        handle = self._ring._copy_back(self, host_t, host_np, src, nbytes)
+        self._cursor = offset + nbytes
+        self.copy_issued = True
         return handle
 
-    # -- lease -------------------------------------------------------------------------
-    @property
-    def is_live(self) -> bool:
-        """False once the slot has been recycled: ring views then hold other data."""
-        return self.owned or self._pool.slot_generation(self.slot) == self.generation
+    def retain(self, *objs: Any) -> None:
+        """Keep ``objs`` alive until this slot's fence has passed: it follows kernels launched before close."""
+        if not self.is_open:
+            self._check_open()
+        self._ring._retain(self.slot, objs)
 
-    def check_live(self, what: str = "staged slice") -> None:
-        if not self.is_live:
-            raise StaleLeaseError(
-                f"{what} of stage {self.generation} (slot {self.slot}) was used after the slot was "
-                f"recycled by claim {self._pool.slot_generation(self.slot)}; use an owned stage "
-                f"(pool.stage(owned_bytes=...)) for data that must outlive {VIEW_LIFETIME}"
+    # -- layout ------------------------------------------------------------------------
+    def open_layout(self, layout: Layout, rows: int, live: int) -> None:
+        """Claim the layout's bytes for ``rows`` rows (``live`` of them real) and its landings: the ring calls it."""
+        plan = layout.plan(rows)  # typed error for a bad ``rows``
+        if not int_in_range(live, 0, rows):
+            raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
+        if plan.nbytes > self.capacity:
+            raise CapacityError(
+                f"a layout of {rows} rows needs {plan.nbytes} bytes but the stage has {self.capacity}; "
+                "raise PoolSettings.slot_bytes or lower max_rows"
             )
+        mem, dst = self._mem, self.dst
+        key = ("layout", id(layout), id(dst), rows)
+        hit = mem.views.get(key) if self.placement is not OWNED else None
+        if hit is None or hit[0] is not layout or hit[1] is not dst:
+            hit = (layout, dst, layout.host_views(mem.host[torch.uint8], rows), layout.device_views(dst, rows))
+            if self.placement is not OWNED:  # an owned buffer may be another one next time
+                mem.views.put(key, hit)
+        self.layout, self.rows, self.live = layout, rows, live
+        self._host_views, self.views = hit[2], hit[3]
+        self.used_bytes = plan.nbytes
+        self._cursor = align_up(plan.nbytes, mem.alignment)
+        for i in layout.landings:
+            dtype = layout.fields[i].lands
+            assert dtype is not None
+            start = self._claim_tail(live * LANDING_ITEMSIZE[dtype], layout.fields[i].name)
+            np.add(landing_column(live, dtype), mem.address + start, out=self._host_views[i][:live])
+            self._new_landing(start, live, dtype)
+
+    def host(self, name: str) -> np.ndarray[Any, Any]:
+        """Field ``name``'s live rows in the pinned slot, to fill in place before the copy (counts as written)."""
+        if self.state is not OPEN:
+            self._check_open()
+        i = self._input_field(name)
+        self._written |= 1 << i
+        return self._host_views[i][: self.live]
+
+    def put_image(self, image: HostImage) -> None:
+        """Every field from a prebuilt host image (padding included): one memcpy."""
+        if self.state is not OPEN:
+            self._check_open()
+        layout = self.layout
+        if (
+            not isinstance(image, HostImage)
+            or image.layout is not layout
+            or (image.rows, image.live)
+            != (
+                self.rows,
+                self.live,
+            )
+        ):
+            raise StagingValueError(
+                f"'image' must be this stage's layout.host_image({self.rows}, {self.live}) (got {image!r})"
+            )
+        assert layout is not None
+        landed = [self._host_views[i][: self.live].copy() for i in layout.landings]
+        mem = self._mem
+        mem.host_bytes[mem.host_base : mem.host_base + image.data.nbytes] = image.data  # type: ignore[call-overload]
+        for i, column in zip(layout.landings, landed, strict=True):
+            self._host_views[i][: self.live] = column  # the image holds no addresses: keep this step's
+        self._written, self._padded = layout.all_written, True
+
+    def landing(self, name: str) -> Landing:
+        """The handle that reads landing field ``name``'s values after a successful close."""
+        layout = self.layout
+        i = -1 if layout is None else layout.field(name)
+        if layout is None or i not in layout.landings:
+            raise StagingValueError(f"'name' must be a landing field of this stage's layout (got {name!r})")
+        return self._landings[layout.landings.index(i)]
 
     # -- internals ---------------------------------------------------------------------
+    def _advance(self, start: int, dtype: torch.dtype, numel: int, nbytes: int) -> torch.Tensor:
+        """Commit a claim of ``nbytes`` at ``start``: its device view, and the cursor past it."""
+        first = start // _ITEMSIZE[dtype]
+        if self.placement is OWNED:
+            device = self.dst[: self.dst.numel() // _ITEMSIZE[dtype] * _ITEMSIZE[dtype]].view(dtype)[
+                first : first + numel
+            ]
+        else:
+            views = self._mem.views
+            key = (id(self.dst), dtype, first, numel)
+            device = views.get(key)
+            if device is None:
+                device = views.put(key, self.dst.view(dtype)[first : first + numel])
+        end = self.used_bytes = start + nbytes
+        self._cursor = align_up(end, self._mem.alignment)
+        return device
+
+    def _claim_tail(self, nbytes: int, name: str) -> int:
+        align = self._mem.alignment
+        start = (self.tail - nbytes) // align * align
+        if start < self._cursor:
+            raise CapacityError(
+                f"'{name}' needs {nbytes} bytes but the slot has {max(self.tail - self._cursor, 0)} left; "
+                "raise PoolSettings.slot_bytes"
+            )
+        self.tail, self.landing_bytes = start, True
+        return start
+
+    def _new_landing(self, start: int, numel: int, dtype: torch.dtype) -> Landing:
+        values = self._mem.host[torch.uint8][start : start + numel * LANDING_ITEMSIZE[dtype]].view(NUMPY_DTYPE[dtype])
+        handle = Landing(self._ring, self.slot, self.generation, self._ring._fence_of(self.slot), values)
+        self._landings.append(handle)
+        return handle
+
+    def _issue(self) -> None:
+        """Padding, the block's ordering, the one copy: OPEN -> FLUSHED."""
+        layout = self.layout
+        if layout is not None:
+            if self.live and self._written != layout.all_written:
+                missing = [
+                    f.name for i, f in enumerate(layout.fields) if not (self._written | ~layout.all_written) >> i & 1
+                ]
+                self.close(ok=False)
+                raise PoolStateError(
+                    f"every input field must be written each step (missing: {missing}); the slot still holds an "
+                    "older step's values there, so the stage was aborted and nothing was copied"
+                )
+            live = self.live
+            if live < self.rows and not self._padded:
+                for view, pad in zip(self._host_views, layout.pads, strict=True):
+                    view[live:] = pad
+        block = self._block
+        if block is not None:
+            block.before_copy(self.stream)
+        if self.placement is not IN_PLACE:
+            self._ring._issue_copy(self)
+        self.state = FLUSHED
+        if block is not None:
+            block.after_copy(self.stream)
+
+    def _put_field(self, name: str, values: Any) -> None:
+        i = self._input_field(name)
+        layout = self.layout
+        assert layout is not None
+        dtype, live = layout.fields[i].dtype, self.live
+        if type(values) is list and len(values) == live:
+            packer = PACKERS.get((dtype, live)) or packer_for(dtype, live)
+            if packer is not None:
+                mem = self._mem
+                try:
+                    packer.pack_into(mem.host_bytes, mem.host_base + layout.plan(self.rows).offsets[i], *values)
+                except (struct.error, TypeError, OverflowError):
+                    pass  # the general path converts or raises typed
+                else:
+                    self._written |= 1 << i
+                    return
+        src, target, shape = as_source(values, dtype, name)
+        if math.prod(shape) != live:
+            raise StagingValueError(f"'{name}' must hold {live} values, one per live row (got shape {shape})")
+        write(self._host_views[i][:live], src, dtype, name)
+        self._written |= 1 << i
+
+    def _input_field(self, name: str) -> int:
+        layout = self.layout
+        if layout is None:
+            raise StagingTypeError(f"put({name!r}, ...) names a field, but this stage has no layout")
+        i = layout.field(name)
+        if layout.fields[i].lands is not None:
+            raise PoolStateError(f"field {name!r} is a landing: the stage writes its addresses itself")
+        return i
+
     def _check_open(self) -> None:
-        if not self._open:
-            raise PoolStateError("this stage is closed: open a new one with pool.stage()")
-        if self.flushed:
+        if not self.is_open:
+            raise PoolStateError(f"this stage is {self.state.value}: open a new one with pool.stage()")
+        if self.state is FLUSHED:
             raise PoolStateError("this stage was flushed: its copy is issued, so nothing more can be put")
 
-    def _claim(
-        self, numel: int, dtype: torch.dtype, name: str, src: Any
-    ) -> tuple[np.ndarray[Any, Any] | torch.Tensor | None, torch.Tensor]:
-        itemsize = _ITEMSIZE[dtype]
-        start = self._cursor
-        if start + numel * itemsize > min(self._capacity, self._tail):
-            if self._pool.settings.overflow is OverflowPolicy.SPILL and src is not None:
-                device = self._pool.spill(self, src, dtype, numel, name)  # raises before queueing on bad values
-                self.spilled = self.copy_issued = True
-                return None, device
-            raise CapacityError(self._capacity_message(numel * itemsize, name))
-        first = start // itemsize
-        return self._layout.host_view(dtype, first, numel), self._device_view(dtype, first, numel)
-
-    def _device_view(self, dtype: torch.dtype, first: int, numel: int) -> torch.Tensor:
-        owned = self.owned_device
-        if owned is None:
-            return self._layout.device_view(dtype, first, numel)
-        itemsize = _ITEMSIZE[dtype]
-        usable = owned.numel() // itemsize * itemsize
-        return owned[:usable].view(dtype)[first : first + numel]
-
-    def _commit_claim(self, numel: int, dtype: torch.dtype) -> None:
-        self.used_bytes = self._cursor + numel * _ITEMSIZE[dtype]
-        self._cursor = align_up(self.used_bytes, self._align)
-
     def _capacity_message(self, nbytes: int, name: str) -> str:
-        limit = "owned buffer" if self.owned and self._capacity < self._pool.settings.slot_bytes else "slot"
-        free = max(min(self._capacity, self._tail) - self._cursor, 0)  # landings take the slot's end
+        limit = "owned buffer" if self.placement is OWNED and self.capacity < self._mem.nbytes else "slot"
+        free = max(min(self.capacity, self.tail) - self._cursor, 0)
         return (
-            f"'{name}' needs {nbytes} bytes but the {limit} has {free} of "
-            f"{self._capacity} left; raise PoolSettings.slot_bytes (PINPOOL_SLOT_BYTES) or pass "
-            "overflow='spill'"
+            f"'{name}' needs {nbytes} bytes but the {limit} has {free} of {self.capacity} left; raise "
+            "PoolSettings.slot_bytes (PINPOOL_SLOT_BYTES) or pass overflow='spill'"
         )

@@ -22,7 +22,8 @@ import attrs
 import numpy as np
 import torch
 
-from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolStateError, Stage, ZeroCopyStage
+from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolStateError, Stage
+from pinpool.stage import IN_PLACE
 from sampling import columns
 from sampling.exceptions import BatchMismatchError
 from sampling.host_records import check_bias_tokens, gather_records, keep_array, same_device
@@ -152,7 +153,7 @@ class SamplingBatchInfo:
         if owned:
             owned_bytes = bs * 4 * columns.COLUMN_WORDS + bias_total * 12 + 2 * pool.settings.alignment
         sparse = None
-        with pool.stage(owned_bytes=owned_bytes) as st:
+        with pool.stage(owned=owned_bytes) as st:
             host, block = st.reserve(columns.COLUMN_WORDS * bs, torch.int32, name="sampling columns")
             columns.write_columns(host, joined, bs)
             if bias_total:
@@ -234,7 +235,7 @@ class SamplingBatchInfo:
             # reads them; an owned stage never writes the mirror, so even a claim of the
             # batch's own slot leaves them intact. An owned batch takes a ring stage.
             owned_bytes = keep.nbytes if self.lease is not None else None
-            with self.pool.stage(owned_bytes=owned_bytes) as st:
+            with self.pool.stage(owned=owned_bytes) as st:
                 keep_indices_device = st.put(keep, torch.int64, name="keep_indices")
         elif (
             keep_indices_device.dtype != torch.int64
@@ -332,7 +333,7 @@ class SamplingBatchInfo:
         lease = self.lease
         if lease is not None:
             lease.check_live("SamplingBatchInfo")
-            if self.stage_bound and not lease.copy_issued and not isinstance(lease, ZeroCopyStage):
+            if self.stage_bound and not lease.copy_issued and lease.placement is not IN_PLACE:
                 raise PoolStateError(
                     f"SamplingBatchInfo built into ring stage {lease.generation} was read before the stage's copy "
                     "was issued: its device tensors hold no values yet; call st.flush() before launching readers"

@@ -88,7 +88,7 @@ class SparseLogitBias:
         n = block.shape[1]
         if n == 0:
             return None
-        with pool.stage(owned_bytes=12 * n + 2 * pool.settings.alignment) as st:
+        with pool.stage(owned=12 * n + 2 * pool.settings.alignment) as st:
             device = st.put(block.reshape(-1), torch.int32, name="logit_bias entries")
         return SparseLogitBias(block, device)
 

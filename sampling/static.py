@@ -5,7 +5,7 @@ capture, and it replays one path: a branch the host took while capturing (greedy
 top-p on or off) is frozen into the graph. A ``SamplingBatchInfo`` fits neither rule: its
 tensors live in whichever ring slot (or owned buffer) the step's copy used, and its
 ``need_*`` flags and ``is_all_greedy`` follow the batch at hand. ``StaticSamplingInfo``
-reads the five per-request fields from views of a ``pinpool.StaticInputs`` block (the same
+reads the five per-request fields from views of a ``pinpool.DeviceBlock`` (the same
 tensors every step, restaged in place by one copy), and fixes the path: deterministic,
 every filter flag on, never the all-greedy shortcut, no logit bias.
 
@@ -20,7 +20,7 @@ engine ignores.
 
 Per engine::
 
-    block = StaticInputs(pool, [*SAMPLING_FIELDS, *engine_fields], max_rows)
+    block = DeviceBlock(pool, Layout([*SAMPLING_FIELDS, *engine_fields], max_rows))
     info = StaticSamplingInfo(block.views(rows), rows, vocab_size)   # once per graph size
     # capture: tokens = Sampler()(logits_static, info, block.views(rows)["positions"])
 
@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pinpool import StaticField
+from pinpool import Field
 from pinpool.encode import NUMPY_DTYPE
 from sampling.exceptions import BatchMismatchError
 from sampling.params import DEFAULT_SEED, FLAG_BIAS, RECORD_DTYPE, TOP_K_ALL
@@ -62,14 +62,14 @@ from sampling.params import DEFAULT_SEED, FLAG_BIAS, RECORD_DTYPE, TOP_K_ALL
 if TYPE_CHECKING:
     from sampling.sampler import SamplingTensors
 
-#: The sampling fields of a ``StaticInputs`` block: an engine adds its own fields to these.
+#: The sampling fields of a ``DeviceBlock`` layout: an engine adds its own fields to these.
 #: Padding rows hold a neutral seeded draw (module doc).
-SAMPLING_FIELDS: tuple[StaticField, ...] = (
-    StaticField("temperature", torch.float32, 1.0),
-    StaticField("top_p", torch.float32, 1.0),
-    StaticField("top_k", torch.int32, TOP_K_ALL),
-    StaticField("min_p", torch.float32, 0.0),
-    StaticField("seed", torch.int64, DEFAULT_SEED),
+SAMPLING_FIELDS: tuple[Field, ...] = (
+    Field("temperature", torch.float32, 1.0),
+    Field("top_p", torch.float32, 1.0),
+    Field("top_k", torch.int32, TOP_K_ALL),
+    Field("min_p", torch.float32, 0.0),
+    Field("seed", torch.int64, DEFAULT_SEED),
 )
 
 _RECORD_BYTES = RECORD_DTYPE.itemsize
@@ -83,7 +83,7 @@ class StaticSamplingInfo:
     """The ``SamplingTensors`` of a padded batch of ``rows`` rows, read from fixed device views.
 
     ``views``: name -> 1-D device tensor of ``rows`` elements holding at least the
-    ``SAMPLING_FIELDS`` (what ``StaticInputs.views(rows)`` returns; other fields are
+    ``SAMPLING_FIELDS`` (what ``DeviceBlock.views(rows)`` returns; other fields are
     ignored). The tensors below *are* those views (``temperatures`` viewed as [rows, 1]),
     so a graph captured with this info reads whatever the block's latest stage landed.
     """
@@ -110,7 +110,7 @@ class StaticSamplingInfo:
             raise BatchMismatchError(f"'vocab_size' must be an int >= 1 (got {vocab_size!r})")
         if not isinstance(views, Mapping):
             raise BatchMismatchError(
-                f"'views' must be a mapping of field name to tensor, as StaticInputs.views(rows) returns "
+                f"'views' must be a mapping of field name to tensor, as DeviceBlock.views(rows) returns "
                 f"(got {type(views).__name__})"
             )
         missing = [f.name for f in SAMPLING_FIELDS if f.name not in views]
@@ -170,7 +170,7 @@ class StaticSamplingInfo:
         """Nothing to check: the views are the block's own device memory, never recycled.
 
         Ordering of the block's copy against the reads is the block's stream rules
-        (``StaticInputs.register_reader``). Reads no state, so capture records nothing here.
+        (``DeviceBlock.register_reader``). Reads no state, so capture records nothing here.
         """
 
     def __repr__(self) -> str:
@@ -183,7 +183,7 @@ def sampling_columns(records: np.ndarray[Any, Any] | bytes | bytearray | memoryv
     ``records``: a RECORD_DTYPE [live] array (``pack_foreign``)
     or the joined record bytes (``b"".join(p.record for p in params)``). Two numpy copies
     (the four 32-bit fields transposed at once, then the seeds) and one flags reduction; the
-    arrays have the block's dtypes, so ``StaticStage.put`` takes its direct path. Call it
+    arrays have the block's dtypes, so ``Stage.put`` takes its direct path. Call it
     when the batch changes and keep the result.
 
     Raises ``BatchMismatchError`` for a record carrying a logit bias (not captured in the

@@ -21,7 +21,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pinpool import PinnedRingBuffer, PlatformError, PoolSettings, UnguardedReaderError
+from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool.exceptions import PlatformError, UnguardedReaderError
 from pinpool.platform import device_alias
 from pinpool.transport import CudaTransport
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pinpool import PlatformError, PlatformReport
+from pinpool import PlatformReport
 from pinpool.bench.engine import MODES, Engine, EngineConfig, ModelConfig, Workload, make_requests
 from pinpool.bench.engine.model import KVCache, TinyDecoder
+from pinpool.exceptions import PlatformError
 from pinpool.transport import HostTransport
 
 CFG = ModelConfig(vocab_size=500, hidden=64, layers=2, heads=4, ffn=128, max_context_len=96)

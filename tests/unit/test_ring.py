@@ -20,8 +20,8 @@ from pinpool import (
     StagingTypeError,
     StagingValueError,
     StaleLeaseError,
-    ThreadOwnershipError,
 )
+from pinpool.exceptions import ThreadOwnershipError
 
 
 def make_pool(**kw: object) -> PinnedRingBuffer:

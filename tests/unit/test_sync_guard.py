@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pinpool import HostSyncError, is_pin_memory_available
+from pinpool import is_pin_memory_available
+from pinpool.exceptions import HostSyncError
 from pinpool.testing import check_copy, no_sync
 
 CUDA = torch.device("cuda", 0)

@@ -21,8 +21,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pinpool import PinnedRingBuffer, PlatformError, PoolSettings, PoolStateError, StaleLeaseError
-from pinpool.exceptions import UnguardedReaderError
+from pinpool import PinnedRingBuffer, PoolSettings, PoolStateError, StaleLeaseError
+from pinpool.exceptions import PlatformError, UnguardedReaderError
 from pinpool.platform import PlatformReport
 from pinpool.stage import Stage
 from pinpool.testing import LaggingGpu, SimStream

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pinpool import PinnedRingBuffer, PlatformError, PoolSettings, PoolStateError
+from pinpool import PinnedRingBuffer, PoolSettings, PoolStateError
+from pinpool.exceptions import PlatformError
 from pinpool.platform import PlatformReport, host_numa_node, node_from_numa_maps, read_node_file
 
 MAPS = [
