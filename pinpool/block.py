@@ -60,7 +60,7 @@ class DeviceBlock:
 
     def views(self, rows: int) -> Mapping[str, torch.Tensor]:
         """name -> device view of ``rows`` elements: fixed addresses, for a graph to capture."""
-        views = self._views.get(rows)
+        views = self._views.get(rows) if type(rows) is int else None  # 4.0 and True hash as ints
         if views is None:
             views = self._views[rows] = self.layout.device_views(self.device_block, rows)
         return views

@@ -1,8 +1,8 @@
 """``land``: a kernel writes its output straight into a ring slot's pinned memory (zero-copy read-back).
 
 A graph replay's outputs (the sampled tokens) normally come back by a device-to-host copy
-queued after the replay: one more CUDA call a step. ``StaticStage.land`` instead stages,
-in the step's one copy, the pinned host address each live row's value should go to, and
+queued after the replay: one more CUDA call a step. A landing field (``Field.landing``)
+instead stages, in the step's one copy, the pinned host address each live row's value should go to, and
 the graph's last kernel (``land``, captured with it) stores each value there over the
 bus. Padding rows carry address 0 and store nothing. The addresses are read on the
 device when the kernel runs, so one captured graph writes into whichever slot the step
@@ -50,7 +50,7 @@ def land(values: torch.Tensor, addresses: torch.Tensor) -> None:
 
     ``values``: contiguous 1-D, a ``LANDING_DTYPES`` dtype; ``addresses``: contiguous 1-D
     int64 of the same length on the same device, as a landing staged them (``Stage.land``,
-    or the ``StaticInputs`` field ``StaticStage.land`` wrote): each carries its landing's
+    or a ``Field.landing`` field of a layout): each carries its landing's
     dtype in its two low bits, and the value is stored converted to it. On CUDA tensors
     one kernel on the current stream (capturable); on CPU tensors the reference
     (``land_reference``), or the kernel under ``TRITON_INTERPRET=1``.

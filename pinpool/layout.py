@@ -109,9 +109,10 @@ class Layout:
     def __init__(self, fields: Sequence[Field], max_rows: int) -> None:
         if not int_in_range(max_rows, 1):
             raise SettingsError(f"'max_rows' must be an int >= 1 (got {max_rows!r})")
-        fields = tuple(fields) if isinstance(fields, (list, tuple)) else (fields,)  # type: ignore[arg-type]
-        if not fields or not all(isinstance(f, Field) for f in fields):
+        declared: tuple[Any, ...] = tuple(fields) if isinstance(fields, (list, tuple)) else (fields,)
+        if not declared or not all(isinstance(f, Field) for f in declared):
             raise SettingsError(f"'fields' must be a non-empty sequence of Field (got {fields!r})")
+        fields = declared
         names = [f.name for f in fields]
         if len(set(names)) != len(names):
             raise SettingsError(f"'fields' names must be unique (got {names})")
@@ -130,7 +131,7 @@ class Layout:
 
     def plan(self, rows: int) -> Plan:
         """Where every field sits for ``rows`` padded rows (``0 <= rows <= max_rows``)."""
-        plan = self._plans.get(rows)
+        plan = self._plans.get(rows) if type(rows) is int else None  # 4.0 and True hash as ints
         if plan is None:
             if not int_in_range(rows, 0, self.max_rows):
                 raise StagingValueError(f"'rows' must be an int in [0, max_rows={self.max_rows}] (got {rows!r})")
@@ -189,7 +190,7 @@ class HostImage:
         self.data = np.zeros(layout.nbytes(rows), np.uint8)
         self.views: Mapping[str, np.ndarray[Any, Any]] = {}
         columns = layout.host_views(self.data, rows)
-        for f, column, pad in zip(layout.fields, columns, layout.pads, strict=True):
+        for column, pad in zip(columns, layout.pads, strict=True):
             column[live:] = pad
         self.views = {f.name: column[:live] for f, column in zip(layout.fields, columns, strict=True)}
 

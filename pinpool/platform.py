@@ -79,14 +79,16 @@ class PlatformReport:
         }
 
     def refusal(self, device: torch.device) -> Exception:
-        """The typed error a zero-copy stage raises on this platform."""
+        """The typed error a stage that kernels would read or write in place (zero-copy, landings) raises here."""
         if not self.checked:
             return PoolStateError(
-                "'zero_copy=True' stages need PoolSettings(zero_copy=True) (PINPOOL_ZERO_COPY=1), which checks "
+                "kernels reading or writing the pinned slots in place (pool.stage(zero_copy=True), landings: "
+                "Field.landing, st.land) need PoolSettings(zero_copy=True) (PINPOOL_ZERO_COPY=1), which checks "
                 "the platform when the pool is created (got zero_copy=False)"
             )
         return PlatformError(
-            f"zero-copy stages are refused on {device}: {self.reason}; use copy stages (pool.stage()) here"
+            f"in-place reads and landings are refused on {device}: {self.reason}; use copy stages "
+            "(pool.stage()) and read-backs (st.readback) here"
         )
 
 

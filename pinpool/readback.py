@@ -48,6 +48,11 @@ class Readback:
         self._host = host
         self._landed_seen = False  # a fence once passed stays passed (until the slot is recycled)
 
+    @property
+    def size(self) -> int:
+        """How many values the handle reads."""
+        return int(self._host.size)
+
     def ready(self) -> bool:
         """True once the copy has landed (never blocks)."""
         if not self._landed_seen:
@@ -84,7 +89,7 @@ class Readback:
 
 
 class Landing(Readback):
-    """Values a kernel writes straight into a stage's slot (``StaticStage.land``), read after the slot's fence.
+    """Values a kernel writes straight into a stage's slot (``Field.landing``, ``Stage.land``), read after its fence.
 
     Nothing is copied: the kernel stores into the pinned slot through UVA. The fence that
     covers it is recorded when the stage closes, so the handle is readable only after a

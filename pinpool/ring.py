@@ -35,6 +35,7 @@ from pinpool.exceptions import (
     DeviceMismatchError,
     PoolStateError,
     SettingsTypeError,
+    StagingValueError,
     ThreadOwnershipError,
     UnguardedReaderError,
 )
@@ -90,7 +91,7 @@ class PinnedRingBuffer:
             )
         #: The stage's stream and whether a capture would take it, in one call where the transport can.
         self._resolve_for_stage: Callable[[Stream | None], tuple[Stream, bool]] = getattr(
-            self._transport, "resolve_for_stage", lambda s: (self._transport.resolve_stream(s), False)
+            self._transport, "resolve_for_stage", self._resolve_then_ask
         )
         self._num_slots, slot_bytes = settings.num_slots, settings.slot_bytes
         self._debug = settings.debug
@@ -317,6 +318,8 @@ class PinnedRingBuffer:
             if rows is None:
                 raise PoolStateError("a stage with a layout needs 'rows' (or 'live')")
             layout.plan(rows)  # typed error for a bad ``rows``, before the claim
+            if not int_in_range(live, 0, rows):  # and for a bad ``live``
+                raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
             if layout.landings:
                 self._check_can_land()
         elif rows is not None or live is not None:
@@ -366,6 +369,8 @@ class PinnedRingBuffer:
         counters = self._counters
         slot = st.slot
         in_place = st.placement is IN_PLACE
+        if not ok:
+            _log.debug("stage.aborted", slot=slot, generation=st.generation)
         if not (st.copy_issued or st.landing_bytes or self._retained[slot] or (in_place and st.used_bytes)):
             # Nothing queued reads or writes the slot: the next claim gets it as it is (its
             # generation moves on, so this stage's views read as stale).
@@ -391,6 +396,12 @@ class PinnedRingBuffer:
 
     def _fence_of(self, slot: int) -> Fence:
         return self._fences[slot]
+
+    def _resolve_then_ask(self, stream: Stream | None) -> tuple[Stream, bool]:
+        """``resolve_for_stage`` for a transport without it: the two questions apart (no ``capturing``: never)."""
+        resolved = self._transport.resolve_stream(stream)
+        capturing = getattr(self._transport, "capturing", None)
+        return resolved, capturing is not None and bool(capturing(resolved))
 
     def _check_can_land(self) -> None:
         if not self.can_land:
@@ -423,7 +434,7 @@ class PinnedRingBuffer:
         host_np = mem.host[src.dtype][first : first + src.numel()].reshape(src.shape)
         host_t = mem.host_raw[offset : offset + nbytes].view(src.dtype).view(src.shape)
         views = (host_t, host_np, nbytes)
-        return views if key is None else mem.views.put(key, views)  # type: ignore[no-any-return]
+        return views if key is None else mem.views.put(key, views)
 
     def _copy_back(self, st: Stage, host_t: torch.Tensor, host_np: Any, src: torch.Tensor, nbytes: int) -> Readback:
         """A stage's read-back: one device-to-pinned copy on its stream, then the slot's fence."""

@@ -63,7 +63,18 @@ RING, OWNED, BLOCK, IN_PLACE = Placement.RING, Placement.OWNED, Placement.BLOCK,
 class SlotMemory:
     """One slot's pinned bytes (as torch, numpy and the slab's memoryview) and the device memory it copies to."""
 
-    __slots__ = ("address", "alias", "alignment", "device_raw", "host", "host_base", "host_bytes", "host_raw", "views")
+    __slots__ = (
+        "address",
+        "alias",
+        "alignment",
+        "device_raw",
+        "host",
+        "host_base",
+        "host_bytes",
+        "host_raw",
+        "nbytes",
+        "views",
+    )
 
     def __init__(
         self, host_raw: torch.Tensor, device_raw: torch.Tensor, host_bytes: memoryview, host_base: int, alignment: int
@@ -76,15 +87,12 @@ class SlotMemory:
         self.host_base = host_base
         self.alignment = alignment
         self.address: int = host_raw.data_ptr()
+        self.nbytes: int = host_raw.numel()
         raw_np = host_raw.numpy()
         self.host: dict[torch.dtype, Any] = {d: raw_np.view(n) for d, n in NUMPY_DTYPE.items()}
         #: A decode step repeats its puts and its layout at the same offsets of a slot: the
         #: views they make are kept here, keyed by what they cover.
         self.views: BoundedCache[tuple[Any, ...], Any] = BoundedCache()
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.host_raw.numel())
 
 
 class RingSide(SlotReads, Protocol):
@@ -220,7 +228,7 @@ class Stage:
         if state is CLOSED or state is ABORTED:
             return
         if ok and state is OPEN:
-            if self._landings and self.placement is not IN_PLACE:
+            if self.placement is not IN_PLACE and any(h.size for h in self._landings):
                 # The copy would carry live addresses that a kernel launched after close
                 # could still store through, past the slot's fence: abort instead.
                 self.close(ok=False)
@@ -259,19 +267,31 @@ class Stage:
 
     @property
     def is_live(self) -> bool:
-        """False once the views may hold other data: the slot recycled (ring), the stage closed (in place)."""
-        if self.placement is OWNED or self.placement is BLOCK:
-            return True
-        if self.placement is IN_PLACE and not self.is_open:
+        """Whether the device views hold this stage's values for a kernel queued now.
+
+        False before the copy is issued (the views still hold older bytes), once the slot was
+        recycled (ring) and once the stage closed (in place: its fence covers only readers
+        launched before close).
+        """
+        placement = self.placement
+        if placement is IN_PLACE:
+            return self.is_open and self._ring.slot_generation(self.slot) == self.generation
+        if self.state is OPEN:
             return False
-        return self._ring.slot_generation(self.slot) == self.generation
+        return placement is not RING or self._ring.slot_generation(self.slot) == self.generation
 
     def check_live(self, what: str = "staged slice") -> None:
         if not self.is_live:
+            if self.state is OPEN and self.placement is not IN_PLACE:
+                raise StaleLeaseError(
+                    f"{what} of stage {self.generation} (slot {self.slot}) was used before its copy was issued: "
+                    "the device view still holds older bytes; flush() first, then launch its readers"
+                )
             after = "its stage closed" if self.placement is IN_PLACE else "its slot was recycled"
             raise StaleLeaseError(
                 f"{what} of stage {self.generation} (slot {self.slot}) was used after {after}; ring views live "
-                f"{VIEW_LIFETIME}, zero-copy views until close; stage data that must live longer with owned="
+                f"{VIEW_LIFETIME}, zero-copy views until close; stage data that must live longer in an owned "
+                "stage (owned=)"
             )
 
     # -- ad-hoc values -----------------------------------------------------------------
@@ -373,6 +393,13 @@ class Stage:
         start = self._claim_tail(numel * LANDING_ITEMSIZE[dtype], "landing")
         try:
             host, addresses = self.reserve(numel, torch.int64, name="landing")
+        except CapacityError:
+            if self._ring.settings.overflow.value != "spill" or self.placement is IN_PLACE:
+                self.tail, self._cursor, self.used_bytes = tail, cursor, used
+                raise
+            # A spilling pool takes the address column through a spilled put, as any put that does not fit.
+            addresses = self.put(column + (self._mem.address + start), torch.int64, name="landing")
+            return addresses, self._new_landing(start, numel, dtype)
         except BaseException:
             self.tail, self._cursor, self.used_bytes = tail, cursor, used
             raise
@@ -438,6 +465,11 @@ class Stage:
             start = self._claim_tail(live * LANDING_ITEMSIZE[dtype], layout.fields[i].name)
             np.add(landing_column(live, dtype), mem.address + start, out=self._host_views[i][:live])
             self._new_landing(start, live, dtype)
+        if self.placement is IN_PLACE and live < rows:
+            # Read in place from the moment they are handed out: the padding rows are written now.
+            for view, pad in zip(self._host_views, layout.pads, strict=True):
+                view[live:] = pad
+            self._padded = True
 
     def host(self, name: str) -> np.ndarray[Any, Any]:
         """Field ``name``'s live rows in the pinned slot, to fill in place before the copy (counts as written)."""
@@ -465,6 +497,12 @@ class Stage:
                 f"'image' must be this stage's layout.host_image({self.rows}, {self.live}) (got {image!r})"
             )
         assert layout is not None
+        data = image.data  # a public attribute: checked, as a size mismatch would write past the layout
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != (layout.nbytes(self.rows),):
+            raise StagingValueError(
+                f"'image.data' must be uint8 of the layout's {layout.nbytes(self.rows)} bytes "
+                f"(got {getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')})"
+            )
         landed = [self._host_views[i][: self.live].copy() for i in layout.landings]
         mem = self._mem
         mem.host_bytes[mem.host_base : mem.host_base + image.data.nbytes] = image.data  # type: ignore[call-overload]
@@ -485,15 +523,13 @@ class Stage:
         """Commit a claim of ``nbytes`` at ``start``: its device view, and the cursor past it."""
         first = start // _ITEMSIZE[dtype]
         if self.placement is OWNED:
-            device = self.dst[: self.dst.numel() // _ITEMSIZE[dtype] * _ITEMSIZE[dtype]].view(dtype)[
-                first : first + numel
-            ]
+            usable = self.dst.numel() // _ITEMSIZE[dtype] * _ITEMSIZE[dtype]
+            device: torch.Tensor = self.dst[:usable].view(dtype)[first : first + numel]
         else:
             views = self._mem.views
             key = (id(self.dst), dtype, first, numel)
-            device = views.get(key)
-            if device is None:
-                device = views.put(key, self.dst.view(dtype)[first : first + numel])
+            cached = views.get(key)
+            device = cached if cached is not None else views.put(key, self.dst.view(dtype)[first : first + numel])
         end = self.used_bytes = start + nbytes
         self._cursor = align_up(end, self._mem.alignment)
         return device
@@ -549,18 +585,27 @@ class Stage:
         if type(values) is list and len(values) == live:
             packer = PACKERS.get((dtype, live)) or packer_for(dtype, live)
             if packer is not None:
-                mem = self._mem
                 try:
-                    packer.pack_into(mem.host_bytes, mem.host_base + layout.plan(self.rows).offsets[i], *values)
+                    # Packed aside (pack_into may write part of the field before it raises): a
+                    # refused put leaves the field's earlier values, as the general path does.
+                    packed = packer.pack(*values)
                 except (struct.error, TypeError, OverflowError):
                     pass  # the general path converts or raises typed
                 else:
+                    mem = self._mem
+                    start = mem.host_base + layout.plan(self.rows).offsets[i]
+                    mem.host_bytes[start : start + len(packed)] = packed
                     self._written |= 1 << i
                     return
-        src, target, shape = as_source(values, dtype, name)
+        src, _, shape = as_source(values, dtype, name)
         if math.prod(shape) != live:
             raise StagingValueError(f"'{name}' must hold {live} values, one per live row (got shape {shape})")
-        write(self._host_views[i][:live], src, dtype, name)
+        if isinstance(src, np.ndarray):
+            write(self._host_views[i][:live], src, dtype, name)  # arrays are checked before they are copied
+        else:  # a list is written, then checked: aside, so a refused one leaves the field as it was
+            converted = np.empty(live, NUMPY_DTYPE[dtype])
+            write(converted, src, dtype, name)
+            self._host_views[i][:live] = converted
         self._written |= 1 << i
 
     def _input_field(self, name: str) -> int:

@@ -96,7 +96,7 @@ def wait_for_streams(transport: Transport, waiter: Stream, others: Iterable[tupl
 
     ``others``: (stream, a fence of its own to record there). A stream that is ``waiter``
     itself is skipped: stream order covers it. The one home of this wait: the ring's
-    hand-off and consumer guards and a ``StaticInputs`` block's writer and readers use it.
+    hand-off and consumer guards and a ``DeviceBlock``'s writer and readers use it.
     """
     for other, fence in others:
         if not transport.same_stream(other, waiter):

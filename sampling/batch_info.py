@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolStateError, Stage
-from pinpool.stage import IN_PLACE
 from sampling import columns
 from sampling.exceptions import BatchMismatchError
 from sampling.host_records import check_bias_tokens, gather_records, keep_array, same_device
@@ -108,7 +107,7 @@ class SamplingBatchInfo:
     ) -> SamplingBatchInfo:
         """Stage ``batch``'s sampling parameters in one copy.
 
-        ``owned=False`` leaves the tensors in a ring slot: valid for ``num_slots`` stages,
+        ``owned=False`` leaves the tensors in a ring slot: valid for ``num_slots - 1`` further claims,
         no allocation. ``owned=True`` copies them (still one copy) into device memory the
         batch owns, for a batch that lives across decode steps (the pool's rule 4).
 
@@ -332,12 +331,7 @@ class SamplingBatchInfo:
         (ring stage: copy not issued) read it."""
         lease = self.lease
         if lease is not None:
-            lease.check_live("SamplingBatchInfo")
-            if self.stage_bound and not lease.copy_issued and lease.placement is not IN_PLACE:
-                raise PoolStateError(
-                    f"SamplingBatchInfo built into ring stage {lease.generation} was read before the stage's copy "
-                    "was issued: its device tensors hold no values yet; call st.flush() before launching readers"
-                )
+            lease.check_live("SamplingBatchInfo")  # also refuses a caller's stage whose copy is not issued yet
 
     def _refuse_edit(self, what: str) -> None:
         raise PoolStateError(

@@ -20,7 +20,7 @@ import torch
 
 from pinpool import __version__
 from pinpool.bench.kit import MODES, BenchContext, Cell, Table
-from pinpool.log import LOG_LEVEL_ENV, level_from_env, log_to_stderr
+from pinpool.bench.stderr_log import LOG_LEVEL_ENV, level_from_env, log_to_stderr
 
 Workload = Callable[[BenchContext], list[Table]]
 

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from pinpool.log import log_to_stderr, stderr_level
+from pinpool.bench.stderr_log import log_to_stderr, stderr_level
 
 #: The staging modes ``pinpool bench`` compares, and what each one is.
 MODES: dict[str, str] = {

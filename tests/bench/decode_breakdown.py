@@ -89,7 +89,7 @@ def profile_pool(running: int) -> str:
 
 def pool_calls(mode: str, running: int, steps: int = 60) -> str:
     """Median µs per step of each pool call of the decode exchange, in the loop as it runs."""
-    from pinpool import exchange, readback, ring, stage, transport
+    from pinpool import readback, ring, stage, transport
     from pinpool.bench.engine import readback as engine_readback
     from pinpool.bench.engine import uploader
 
@@ -111,10 +111,9 @@ def pool_calls(mode: str, running: int, steps: int = 60) -> str:
 
     for owner, attr in (
         (ring.PinnedRingBuffer, "stage"),
-        (ring.PinnedRingBuffer, "exchange"),
-        (exchange.Exchange, "fill"),
         (stage.Stage, "put"),
         (stage.Stage, "land"),
+        (stage.Stage, "landing"),
         (stage.Stage, "flush"),
         (stage.Stage, "close"),
         (stage.Stage, "readback"),

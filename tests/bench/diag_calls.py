@@ -165,14 +165,14 @@ def replay_costs() -> None:
                 t1 = time.perf_counter()
                 st.put_image(batch.image)
                 t2 = time.perf_counter()
-                landing = st.land("token_dst") if eng.land_tokens else None
+                landing = st.landing("token_dst") if eng.land_tokens else None  # addresses written at open
                 t3 = time.perf_counter()
                 st.flush()
                 t4 = time.perf_counter()
                 st.close()
                 t5 = time.perf_counter()
                 spans = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)
-                for k, v in zip(("stage", "put_image", "land", "flush", "close"), spans, strict=True):
+                for k, v in zip(("stage", "put_image", "landing", "flush", "close"), spans, strict=True):
                     pieces.setdefault(k, []).append(v * 1e6)
                 assert landing is None or landing.armed
         import statistics

@@ -8,8 +8,9 @@ host µs per decode step spent staging, less GPU waits, median over steps, then 
 over interleaved rounds:
 
 - ``pinned``: the PR #28076 pattern (the reference);
-- ``pool``: the engine's pool mode as shipped (``pool.exchange``: the step's exchange in one call);
-- ``pool-stage``: the same exchange opened call by call (``stage``, ``put``, ``land``, ``flush``);
+- ``pool``: the engine's pool mode as shipped (``pool.stage(step_layout, rows=bs)``: a layout
+  declared once, a ``put`` per field, the landing field's addresses written at open);
+- ``pool-stage``: the same exchange with no layout (``stage``, one ad-hoc ``put``, ``land``, ``flush``);
 - ``pool-min``: the same CUDA calls (current stream, capture query, one copy, one fence
   record, one fence query) with the Python around them cut to the minimum, inline in the
   engine: the floor any Python-level rework of the exchange could reach.
@@ -28,7 +29,7 @@ import torch
 
 from pinpool.bench.engine.bench import _engine, _requests
 from pinpool.bench.engine.loop import Engine
-from pinpool.transport import _current_stream_of, _is_capturing, _query, _record
+from pinpool.transport import _current_stream_of, _is_capturing, _query, _record, wait_for_streams
 
 DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -40,7 +41,7 @@ def _min_decode(self: Engine) -> Any:
     rows, positions = [r.row for r in reqs], [r.seq_len for r in reqs]
     pool: Any = self.pool
     with self.staging("decode.upload"):
-        sid = _current_stream_of(pool._device_index)[0]
+        sid = _current_stream_of(pool._transport.index)[0]
         stream = pool._transport._current
         if stream is None or stream.stream_id != sid:
             stream = pool._transport.resolve_stream(None)
@@ -52,7 +53,7 @@ def _min_decode(self: Engine) -> Any:
             fence.synchronize()
         last = pool._last_stream[slot]
         if last is not stream and last.stream_id != sid:
-            pool._hand_off(slot, last, stream)
+            wait_for_streams(pool._transport, stream, ((last, pool._handoff[slot]),))
         pool._last_stream[slot] = stream
         pool._generation += 1
         pool._slot_generation[slot] = pool._generation
@@ -60,8 +61,8 @@ def _min_decode(self: Engine) -> Any:
         if plan is None:
             plan = self._min_plans[(slot, bs)] = _plan(pool, slot, bs)
         packer, base, col_at, column, _end, dst, src, rows_d, pos_d, land_to, values = plan
-        packer.pack_into(pool._layouts[slot].host_bytes, base, *rows, *positions)
-        host_bytes = pool._layouts[slot].host_bytes
+        host_bytes = pool._slots[slot].host_bytes
+        packer.pack_into(host_bytes, base, *rows, *positions)
         host_bytes[col_at : col_at + len(column)] = column
         dst.copy_(src, True)
     self._launch_decode(reqs, bs, rows_d, pos_d, out_cache_loc, land_to)
@@ -88,7 +89,7 @@ def _min_decode(self: Engine) -> Any:
 
 
 def _stage_decode(self: Engine) -> Any:
-    """The decode step with the exchange opened call by call: ``stage``, ``put``, ``land``, ``flush``."""
+    """The decode step with the exchange opened call by call, no layout: ``stage``, ``put``, ``land``, ``flush``."""
     reqs, bs = self.running, len(self.running)
     out_cache_loc = self.kv.alloc(bs)
     rows, positions = [r.row for r in reqs], [r.seq_len for r in reqs]
@@ -110,27 +111,27 @@ def _plan(pool: Any, slot: int, bs: int) -> tuple[Any, ...]:
 
     import numpy as np
 
-    layout = pool._layouts[slot]
-    align = pool._alignment
+    mem = pool._slots[slot]  # SlotMemory: the slot's pinned bytes and its device mirror
+    align = pool.settings.alignment
     up = 16 * bs
     col = (up + align - 1) // align * align
     end = col + 8 * bs
-    tail = (pool._slot_bytes - 8 * bs) // align * align
-    addr0 = layout.host_raw.data_ptr() + tail
+    tail = (pool.settings.slot_bytes - 8 * bs) // align * align
+    addr0 = mem.host_raw.data_ptr() + tail
     column = (np.arange(bs, dtype=np.int64) * 8 + addr0).tobytes()  # int64 landings carry tag 0
-    dev64 = layout.device[torch.int64]
+    dev64 = mem.device_raw.view(torch.int64)
     return (
         struct.Struct(f"={2 * bs}q"),
-        layout.host_base,
-        layout.host_base + col,
+        mem.host_base,
+        mem.host_base + col,
         column,
         end,
-        layout.device_raw[:end],
-        layout.host_raw[:end],
+        mem.device_raw[:end],
+        mem.host_raw[:end],
         dev64[:bs],
         dev64[bs : 2 * bs],
         dev64[col // 8 : col // 8 + bs],
-        layout.host[torch.int64][tail // 8 : tail // 8 + bs],
+        mem.host[torch.int64][tail // 8 : tail // 8 + bs],
     )
 
 

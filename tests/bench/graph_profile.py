@@ -143,8 +143,10 @@ def stage_micro(mode: str, bs: int, iters: int = 400) -> None:
             elif mode == "sglang" and i % 50 == 0:
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            fn(reqs, bs, rows)
+            out = fn(reqs, bs, rows)
             times.append((time.perf_counter() - t) * 1e6)
+            if mode == "pool":
+                out[0].close()  # _stage_pool hands back its flushed stage open (the loop closes it after the replay)
             if i % 8 == 7:
                 eng.forward_stream.synchronize()
     times.sort()

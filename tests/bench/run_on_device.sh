@@ -30,6 +30,15 @@ if [ -d .old/pinpool ]; then
     (cd .old && PYTHONPATH=".:${PYTHONPATH:-}" timeout 60 python3 tests/gpu/decode_breakdown.py) >"$LOGS/old_code_breakdown.txt" 2>&1
   fi
 fi
+gate_line=skipped
+if [ -n "${PINPOOL_GATE:-}" ] && [ -d .old/pinpool ]; then
+  # The small core's speed gate: the same workloads on the carried earlier tree, then on this one.
+  gw=${PINPOOL_GATE_WORKLOADS:-staging,zero_copy,decode,sampling_sglang,memcache_sglang}
+  box 150 python3 tests/bench/speed_gate.py run --tree .old --workloads "$gw" --json "$LOGS/gate_old.json" >"$LOGS/gate_old.txt" 2>&1
+  box 150 python3 tests/bench/speed_gate.py run --tree . --workloads "$gw" --json "$LOGS/gate_new.json" >"$LOGS/gate_new.txt" 2>&1
+  python3 tests/bench/speed_gate.py compare "$LOGS/gate_old.json" "$LOGS/gate_new.json" | tee "$OUT/gate.txt" | tail -3
+  gate_line=$(grep -h '^GATE' "$OUT/gate.txt")
+fi
 bench_start=$SECONDS
 # --plot only where matplotlib is installed: without it the bench refuses to start.
 plot=(); python3 -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/bench.png")
@@ -88,6 +97,7 @@ fi
   echo "gpu tests : rc=$gpu_rc  $(tail -1 "$LOGS/gpu_tests.log")"
   echo "unit tests: rc=$unit_rc  $(tail -1 "$LOGS/unit_tests.log")"
   echo "old code  : $old_line"
+  echo "speed gate: $gate_line"
   echo "bench     : rc=$bench_rc  ${bench_seconds} s (tables in bench.txt and bench_graph.txt; JSON in raw.tgz)"
   echo "soak      : rc=$soak_rc  $(grep -h '^SOAK' "$LOGS/soak.txt" 2>/dev/null)"
   echo "two GPUs  : rc=$two_rc  $(grep -h 'TWO-GPU CHECK' "$LOGS/two_gpu.txt" 2>/dev/null)"

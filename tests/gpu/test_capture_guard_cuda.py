@@ -16,18 +16,20 @@ from typing import Any
 import pytest
 import torch
 
-from pinpool import PinnedRingBuffer, PoolSettings, PoolStateError, StaticField, StaticInputs
+from pinpool import DeviceBlock, Field, Layout, PinnedRingBuffer, PoolSettings, PoolStateError
 
 DEV = torch.device("cuda", 0)
 TWO_GPUS = torch.cuda.device_count() >= 2
+#: A decode step's layout: an input and a landing.
+STEP = Layout([Field("step", torch.int64, pad=-1), Field.landing("tokens")], max_rows=4)
 
 
-def _openers(pool: PinnedRingBuffer, block: StaticInputs, src: torch.Tensor) -> dict[str, Callable[..., Any]]:
+def _openers(pool: PinnedRingBuffer, block: DeviceBlock, src: torch.Tensor) -> dict[str, Callable[..., Any]]:
     return {
         "stage": lambda stream: pool.stage(stream=stream),
-        "exchange": lambda stream: pool.exchange([([1, 2], torch.int64)], land=2, stream=stream),
+        "layout stage": lambda stream: pool.stage(STEP, rows=4, live=2, stream=stream),
         "read-back": lambda stream: pool.readback(src, stream=stream),
-        "static stage": lambda stream: block.stage(4, 2, stream=stream),
+        "block stage": lambda stream: block.stage(4, 2, stream=stream),
     }
 
 
@@ -36,13 +38,13 @@ def _openers(pool: PinnedRingBuffer, block: StaticInputs, src: torch.Tensor) -> 
     "where",
     ["current stream", "capture stream passed", "side stream", "forked stream"],
 )
-@pytest.mark.parametrize("kind", ["stage", "exchange", "read-back", "static stage"])
+@pytest.mark.parametrize("kind", ["stage", "layout stage", "read-back", "block stage"])
 def test_staging_inside_a_capture_is_refused_and_the_pool_goes_on(kind: str, where: str, current_index: int) -> None:
     """Catches a stage whose copy and fence would be baked into a graph (a slot the ring reuses), or
     whose fence query would break the capture: on the capture stream, on another stream while the
     capture body runs, and on a stream forked into the capture while an idle stream is current."""
     pool = PinnedRingBuffer(PoolSettings(device=DEV, num_slots=3, zero_copy=True))
-    block = StaticInputs(pool, (StaticField("step", torch.int64, pad=-1),), max_rows=4)
+    block = DeviceBlock(pool, Layout([Field("step", torch.int64, pad=-1)], max_rows=4))
     src = torch.arange(4, device=DEV)
     capture, side, idle = torch.cuda.Stream(DEV), torch.cuda.Stream(DEV), torch.cuda.Stream(DEV)
     x = torch.zeros(4, device=DEV)

@@ -1,7 +1,8 @@
 """Landings on the GPU: a captured graph stores its output into whichever ring slot each step staged.
 
-The graph reads the step's ``x`` from a ``StaticInputs`` block, computes ``3 x + 1`` and
-lands it (``pinpool.landing.land``) at the pinned addresses the step's copy carried. The
+The graph reads the step's ``x`` from a ``DeviceBlock``, computes ``3 x + 1`` and lands it
+(``pinpool.landing.land``) at the pinned addresses the step's copy carried (a landing field,
+``Field.landing``: the stage writes the live rows' addresses when it opens). The
 replay runs behind random GPU lag, on the stage's stream or on a registered reader stream;
 each handle must read its own step's values. The control plants a close whose fence does
 not wait for the replay stream, and must read wrong values under the same lag. A second
@@ -16,32 +17,43 @@ from collections import deque
 import pytest
 import torch
 
-from pinpool import PinnedRingBuffer, PoolSettings, StaticField, StaticInputs
+from pinpool import DeviceBlock, Field, Layout, PinnedRingBuffer, PoolSettings
 from pinpool.landing import land
 from pinpool.readback import Landing
 from pinpool.transport import Stream, use_stream
 
-FIELDS = (StaticField("x", torch.int64, pad=-1), StaticField("dst", torch.int64, pad=0))
 ROWS = 16
+LAYOUT = Layout([Field("x", torch.int64, pad=-1), Field.landing("dst")], ROWS)
 NUM_SLOTS = 3
 LAG = 1_000_000  # up to ~0.5 ms of GPU sleep before a replay
 TWO_GPUS = torch.cuda.device_count() >= 2
 
 
-class NoFenceAfterReaders(StaticInputs):
-    """Planted: a landed stage's fence does not wait for the replay stream."""
+class NoFenceAfterReaders(DeviceBlock):
+    """Planted: a landed stage's close does not wait for the replay stream before the slot's fence
+    (the wait before the copy, for the previous replays, is kept)."""
 
-    def fence_after_readers(self, stream: Stream) -> None:
-        return None
+    _copying = False
+
+    def before_copy(self, stream: Stream) -> None:
+        self._copying = True
+        try:
+            super().before_copy(stream)
+        finally:
+            self._copying = False
+
+    def wait_for_readers(self, stream: Stream) -> None:
+        if self._copying:
+            super().wait_for_readers(stream)
 
 
-def make_block(device: torch.device, block_type: type[StaticInputs] = StaticInputs) -> StaticInputs:
+def make_block(device: torch.device, block_type: type[DeviceBlock] = DeviceBlock) -> DeviceBlock:
     pool = PinnedRingBuffer(PoolSettings(device=device, num_slots=NUM_SLOTS, slot_bytes=4096, zero_copy=True))
     assert pool.can_land, pool.platform.reason
-    return block_type(pool, FIELDS, max_rows=ROWS)
+    return block_type(pool, LAYOUT)
 
 
-def capture(block: StaticInputs, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def capture(block: DeviceBlock, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     views = block.views(ROWS)
     out = torch.empty(ROWS, dtype=torch.int64, device=block.device_block.device)
 
@@ -50,8 +62,8 @@ def capture(block: StaticInputs, stream: torch.cuda.Stream) -> tuple[torch.cuda.
         out.add_(1)
         land(out, views["dst"])
 
-    with block.stage(ROWS, 0, stream=stream):
-        pass  # every row padding: the warm-up and the capture store nothing
+    with block.stage(ROWS, 0, stream=stream) as st:
+        st.flush()  # every row padding: the warm-up and the capture store nothing
     with torch.cuda.stream(stream):
         body()
     stream.synchronize()
@@ -61,7 +73,7 @@ def capture(block: StaticInputs, stream: torch.cuda.Stream) -> tuple[torch.cuda.
     return graph, out
 
 
-def run_steps(writer: str, block_type: type[StaticInputs] = StaticInputs, steps: int = 60) -> list[str]:
+def run_steps(writer: str, block_type: type[DeviceBlock] = DeviceBlock, steps: int = 60) -> list[str]:
     """Stage, land, replay behind lag (on ``writer``: "stage" or "reader"), close; read each handle
     up to NUM_SLOTS - 1 claims later. Returns every wrong read."""
     dev = torch.device("cuda", 0)
@@ -79,7 +91,7 @@ def run_steps(writer: str, block_type: type[StaticInputs] = StaticInputs, steps:
         x = [step * 1000 + i for i in range(live)]
         with block.stage(ROWS, live, stream=stage_stream) as st:
             st.put("x", x)
-            handle = st.land("dst")
+            handle = st.landing("dst")
             st.flush()
             with use_stream(on):
                 torch.cuda._sleep(rng.randrange(LAG))
@@ -129,7 +141,7 @@ def test_landing_with_another_device_current(pool_index: int, current_index: int
             values = torch.arange(ROWS, device=dev) + 100 * step
             with block.stage(ROWS, live, stream=rng.choice([None, side])) as st:
                 st.put("x", list(range(live)))
-                handle = st.land("dst")
+                handle = st.landing("dst")
                 st.flush()
                 with use_stream(side):
                     torch.cuda._sleep(rng.randrange(LAG))

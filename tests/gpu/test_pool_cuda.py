@@ -174,7 +174,7 @@ def test_control_unregistered_consumer_stream_sees_overwritten_data() -> None:
 def test_owned_stage_survives_the_ring_on_device() -> None:
     """Catches owned data aliasing the ring mirror (rule 4)."""
     pool = PinnedRingBuffer(PoolSettings(device=DEV, num_slots=2, slot_bytes=1 << 16))
-    with pool.stage(owned_bytes=4 * 999) as st:
+    with pool.stage(owned=4 * 999) as st:
         kept = st.put(list(range(999)), torch.int32)
     for _ in range(6):
         with pool.stage() as st2:

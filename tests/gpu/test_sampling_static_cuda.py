@@ -1,4 +1,4 @@
-"""Sampler() captured in a CUDA graph over a StaticInputs block: replays draw the eager tokens.
+"""Sampler() captured in a CUDA graph over a DeviceBlock: replays draw the eager tokens.
 
 One graph per test is captured with a ``StaticSamplingInfo`` over the block's views, static
 logits, and the block's ``positions`` field. Each step then restages other requests (other
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from pinpool import PinnedRingBuffer, PoolSettings, StaticField, StaticInputs
+from pinpool import DeviceBlock, Field, Layout, PinnedRingBuffer, PoolSettings
 from pinpool.testing import no_sync
 from sampling import (
     SAMPLING_FIELDS,
@@ -38,7 +38,7 @@ from tests.fakes import Batch, Req, random_params
 DEV = torch.device("cuda", 0)
 ROWS = 16
 LAG = 20_000_000  # about 10 ms of GPU sleep
-FIELDS = (*SAMPLING_FIELDS, StaticField("positions", torch.int64, 0))
+FIELDS = (*SAMPLING_FIELDS, Field("positions", torch.int64, 0))
 TWO_GPUS = torch.cuda.device_count() >= 2
 PLACES = [
     "default stream",
@@ -49,15 +49,15 @@ PLACES = [
 LIVES = [16, 3, 1, 9, 16, 5, 12, 2]
 
 
-def make_block() -> StaticInputs:
+def make_block() -> DeviceBlock:
     pool = PinnedRingBuffer(PoolSettings(device=DEV, num_slots=8, slot_bytes=1 << 16))
-    return StaticInputs(pool, FIELDS, ROWS)
+    return DeviceBlock(pool, Layout(FIELDS, ROWS))
 
 
 class SamplerGraph:
     """``Sampler()`` captured for ``rows`` padded rows: reads ``logits`` and the block, writes ``tokens``."""
 
-    def __init__(self, block: StaticInputs, rows: int, vocab: int) -> None:
+    def __init__(self, block: DeviceBlock, rows: int, vocab: int) -> None:
         self.views = block.views(rows)
         self.info = StaticSamplingInfo(self.views, rows, vocab)
         self.logits = torch.zeros(rows, vocab, device=DEV)
@@ -77,7 +77,7 @@ class SamplerGraph:
 
 
 def stage(
-    block: StaticInputs, rows: int, params: list[SamplingParams], positions: list[int], stream: torch.cuda.Stream
+    block: DeviceBlock, rows: int, params: list[SamplingParams], positions: list[int], stream: torch.cuda.Stream
 ) -> None:
     cols = sampling_columns(b"".join(p.record for p in params))
     with block.stage(rows, len(params), stream=stream) as st:

@@ -90,7 +90,7 @@ def test_an_owned_stage_on_a_side_stream_takes_no_block_still_read_on_the_curren
         torch.cuda._sleep(LAG // 4)
         b = a.to(torch.int16)  # reads ``a`` behind the lag
         del a  # its block goes back to the current stream's pool with that read still queued
-        with pool.stage(owned_bytes=N * 4, stream=side) as st:
+        with pool.stage(owned=N * 4, stream=side) as st:
             st.put([9] * N, torch.int32)
         torch.cuda.synchronize()
         wrong += int(not bool((b == 5).all()))

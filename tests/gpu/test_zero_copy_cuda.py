@@ -21,9 +21,10 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool import Field, Layout, PinnedRingBuffer, PoolSettings
 from pinpool.exceptions import PlatformError, UnguardedReaderError
 from pinpool.platform import device_alias
+from pinpool.stage import Placement
 from pinpool.transport import CudaTransport
 
 LAG = 2_000_000  # about 1 ms of GPU sleep per lagging step: the host runs far ahead
@@ -67,9 +68,11 @@ def test_platform_check_passes_and_views_alias_the_pinned_slot(where: Where) -> 
         assert (report.pinned, report.alias_is_host_address, report.kernel_sees_host_writes) == (True, True, True)
         assert pool.stats().platform == report
         with pool.stage(zero_copy=True, stream=stream) as st:
+            assert st.placement is Placement.IN_PLACE
             view = st.put(list(range(N)), torch.int64)
             with torch.cuda.stream(st.stream):
                 got = view + 0
+        assert not st.is_live  # closed: a reader queued now would not be covered by the fence
         base = pool.host_slab.data_ptr()
         assert view.device == device and base <= view.data_ptr() < base + pool.settings.total_bytes
         torch.cuda.synchronize(device)
@@ -186,6 +189,37 @@ def test_debug_refuses_closing_under_an_unregistered_stream(where: Where) -> Non
         with torch.cuda.stream(side):
             got = view + 0
             with pytest.raises(UnguardedReaderError, match="nor a registered consumer"):
-                st.close()
+                st.close()  # the fence is recorded first (after the stage's stream), then the check refuses
         torch.cuda.synchronize(device)
         assert bool((got == 3).all())
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_layout_staged_in_place_under_lag_reads_each_steps_rows_and_pads(where: Where) -> None:
+    """Catches an in-place layout (``pool.stage(layout, rows=..., zero_copy=True)``) whose padding rows
+    keep an earlier step's values, whose views are not the pinned slot, or whose slot the host rewrites
+    while a lagging reader has yet to run."""
+    rng = random.Random(5)
+    layout = Layout([Field("ids", torch.int64, pad=-1)], N)
+    with placed(where) as (device, stream):
+        pool = _pool(device)
+        seen: list[tuple[torch.Tensor, int, int]] = []
+        for step in range(STEPS // 4):
+            live = N if step < pool.settings.num_slots else rng.randint(0, N)  # every slot full of values first
+            with pool.stage(layout, rows=N, live=live, zero_copy=True, stream=stream) as st:
+                assert st.placement is Placement.IN_PLACE
+                st.put("ids", [step] * live)
+                st.flush()  # padding written in the pinned slot: readers launched from here read it all
+                view = st.views["ids"]
+                base = pool.host_slab.data_ptr()
+                assert view.device == device and base <= view.data_ptr() < base + pool.settings.total_bytes
+                with torch.cuda.stream(st.stream):
+                    if rng.random() < 0.5:
+                        torch.cuda._sleep(rng.randint(0, LAG))
+                    seen.append((_read(view, rng), step, live))
+        torch.cuda.synchronize(device)
+        wrong = [
+            step for got, step, live in seen if not (bool(got[:live].eq(step).all()) and bool(got[live:].eq(-1).all()))
+        ]
+        assert wrong == [], f"steps {wrong[:5]} read another step's rows or padding"
+        assert pool.stats().copies == 0

@@ -48,7 +48,7 @@ def test_an_owned_stage_names_its_stream_to_the_allocation_only_when_one_was_pas
     seen: list[Any] = []  # recorded from here: the pool's own mirror was allocated above
     real = gpu.alloc_device
     gpu.alloc_device = lambda nbytes, stream=None: seen.append(stream) or real(nbytes, stream)  # type: ignore[method-assign]
-    with pool.stage(owned_bytes=64, stream=side if named else None) as st:
+    with pool.stage(owned=64, stream=side if named else None) as st:
         st.put([1, 2], torch.int32)
         assert st.stream is (side if named else gpu.current_stream())
     assert seen == [side if named else None]

@@ -85,7 +85,7 @@ def test_a_zero_copy_built_batch_is_refused_after_its_stage_closed() -> None:
         info = build(params_batch, pool, stage=st)
         info.check_live()
     logits = torch.zeros(3, VOCAB)
-    with pytest.raises(StaleLeaseError, match="Launch readers inside the stage"):
+    with pytest.raises(StaleLeaseError, match="after its stage closed"):
         Sampler()(logits, info, torch.arange(3))
     with pool.stage(zero_copy=True) as st:
         with_bias = build(biased, pool, stage=st)
@@ -101,7 +101,7 @@ def test_a_ring_stage_built_batch_is_refused_before_the_stage_copy_is_issued() -
     pool = make_pool()
     with pool.stage() as st:
         info = build(make_batch("native", 4), pool, stage=st)
-        with pytest.raises(PoolStateError, match=r"call st.flush\(\) before launching readers"):
+        with pytest.raises(StaleLeaseError, match=r"before its copy was issued"):
             info.check_live()
         st.flush()
         info.check_live()
@@ -131,7 +131,7 @@ def test_bad_stage_combinations_are_refused_with_typed_errors() -> None:
     batch = make_batch("native", 2)
     with pool.stage(zero_copy=True) as st, pytest.raises(PoolStateError, match="owned=True"):
         build(batch, pool, stage=st, owned=True)
-    with pool.stage(owned_bytes=4096) as st, pytest.raises(PoolStateError, match="an owned stage"):
+    with pool.stage(owned=4096) as st, pytest.raises(PoolStateError, match="an owned stage"):
         build(batch, pool, stage=st)
     for zero_copy in (True, False):
         with pool.stage(zero_copy=zero_copy) as st:

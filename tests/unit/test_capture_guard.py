@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from pinpool import PinnedRingBuffer, PoolSettings, PoolStateError, StaticField, StaticInputs
+from pinpool import DeviceBlock, Field, Layout, PinnedRingBuffer, PoolSettings, PoolStateError
 from pinpool.testing import LaggingGpu, SimStream
 
-FIELDS = (StaticField("step", torch.int64, pad=-1),)
+FIELDS = (Field("step", torch.int64, pad=-1),)
+#: A decode step's layout: an input and a landing.
+STEP = Layout([Field("step", torch.int64, pad=-1), Field.landing("tokens")], max_rows=4)
 
 
 def _pool(gpu: LaggingGpu) -> PinnedRingBuffer:
@@ -27,19 +29,33 @@ def _pool(gpu: LaggingGpu) -> PinnedRingBuffer:
 
 
 def _openers(pool: PinnedRingBuffer, stream: SimStream | None) -> dict[str, Callable[[], Any]]:
-    block = StaticInputs(pool, FIELDS, max_rows=4)
+    block = DeviceBlock(pool, Layout(FIELDS, max_rows=4))
     return {
         "stage": lambda: pool.stage(stream=stream),
-        "exchange": lambda: pool.exchange([([1, 2], torch.int64)], land=2, stream=stream),
-        "owned stage": lambda: pool.stage(stream=stream, owned_bytes=64),
+        "layout stage": lambda: pool.stage(STEP, rows=4, live=2, stream=stream),
+        "owned stage": lambda: pool.stage(stream=stream, owned=64),
+        "owned layout stage": lambda: pool.stage(STEP, rows=2, stream=stream, owned=256),
         "zero-copy stage": lambda: pool.stage(stream=stream, zero_copy=True),
+        "zero-copy layout stage": lambda: pool.stage(STEP, rows=2, stream=stream, zero_copy=True),
         "read-back": lambda: pool.readback(torch.arange(4), stream=stream),
-        "static stage": lambda: block.stage(4, 2, stream=stream),
+        "block stage": lambda: block.stage(4, 2, stream=stream),
     }
 
 
 @pytest.mark.parametrize("explicit", [False, True], ids=["current stream", "stream passed"])
-@pytest.mark.parametrize("kind", ["stage", "exchange", "owned stage", "zero-copy stage", "read-back", "static stage"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "stage",
+        "layout stage",
+        "owned stage",
+        "owned layout stage",
+        "zero-copy stage",
+        "zero-copy layout stage",
+        "read-back",
+        "block stage",
+    ],
+)
 def test_every_way_to_stage_is_refused_on_a_capturing_stream_and_changes_nothing(kind: str, explicit: bool) -> None:
     """Catches a stage opened on a capturing stream: its copy and fence would be baked into the graph."""
     gpu = LaggingGpu(max_lag=4, seed=1, devices=2)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from memcache.host_kv_allocator import HostKVAllocator
-from pinpool import StaticStage
+from pinpool import Stage
 from pinpool.bench.engine import Engine, EngineConfig, Mode, ModelConfig, Workload, make_requests
 from pinpool.bench.engine.graph import DEFAULT_SIZES, graph_sizes
 from pinpool.bench.engine.graph_loop import GRAPH_MODES, GraphConfig, GraphEngine, GraphMode
@@ -121,7 +121,7 @@ def test_padded_is_the_smallest_size_that_holds_the_batch(
     )
     graphs = engine.graphs
     assert graphs.sizes == graph_sizes(max_running, sizes)
-    assert graphs.max_rows == max_running == graphs.block.max_rows
+    assert graphs.max_rows == max_running == graphs.block.layout.max_rows
     for bs in range(1, max_running + 1):
         rows = graphs.padded(bs)
         assert rows in graphs.sizes and rows >= bs
@@ -138,7 +138,7 @@ def test_a_decode_step_lands_live_rows_then_padding_in_the_padded_views(mode: Gr
     engine = graph_engine(mode)
     graphs = engine.graphs
     shapes: set[tuple[int, int]] = set()
-    pads = {f.name: f.pad for f in graphs.block.fields}
+    pads = {f.name: f.pad for f in graphs.block.layout.fields}
     assert pads["rows"] == engine.pad_row and pads["positions"] == 0 and pads["out_cache_loc"] == 0
 
     def check(kind: str) -> None:
@@ -163,7 +163,7 @@ def test_a_decode_step_lands_live_rows_then_padding_in_the_padded_views(mode: Gr
         records = np.frombuffer(b"".join(r.sampling_params.record for r in reqs), RECORD_DTYPE)
         for name, values in sampling_columns(records).items():
             assert views[name][:bs].tolist() == values.tolist(), name
-        for f in graphs.block.fields:
+        for f in graphs.block.layout.fields:
             assert (views[f.name][bs:] == f.pad).all(), f"padding of {f.name}"
         # The sampled tokens went back by request row (the next step's input tokens), and
         # the loop reads the same ones (landed in the slot, or read back from out_tokens).
@@ -174,7 +174,7 @@ def test_a_decode_step_lands_live_rows_then_padding_in_the_padded_views(mode: Gr
     drive(engine, workload(1), check)
     assert {rows for rows, _ in shapes} == {1, 2, 4, 8}, shapes
     assert any(bs < rows for rows, bs in shapes), "some step must be padded"
-    assert {f.name for f in SAMPLING_FIELDS} <= {f.name for f in graphs.block.fields}
+    assert {f.name for f in SAMPLING_FIELDS} <= {f.name for f in graphs.block.layout.fields}
 
 
 # -- pool mode: one copy per step, and everything comes back --------------------------------
@@ -201,12 +201,14 @@ def test_pool_mode_decode_step_is_one_block_copy_and_its_tokens_come_back_in_the
         bs = len(engine.pending[1])
         decodes += 1
         freeing += len(engine.running) < bs  # requests finished and were freed in this step
-        # Exactly: the block's copy (an owned stage of every field, padding included) ...
+        # Exactly: the block's copy (a stage placed in the block: every field, padding included,
+        # and no owned allocation) ...
         assert after.copies - before.copies == 1
-        assert after.stages - before.stages == 1 and after.owned_stages - before.owned_stages == 1
-        assert after.bytes_copied - before.bytes_copied == block.nbytes(engine.graphs.padded(bs))
-        # ... and the tokens in the same slot: stored there by the replay (StaticStage.land), or
-        # one read-back copy (StaticStage.readback); one claim of the ring either way.
+        assert after.stages - before.stages == 1 and after.owned_stages == before.owned_stages
+        assert after.device_allocations == before.device_allocations
+        assert after.bytes_copied - before.bytes_copied == block.layout.nbytes(engine.graphs.padded(bs))
+        # ... and the tokens in the same slot: stored there by the replay (the landing field
+        # token_dst), or one read-back copy (Stage.readback); one claim of the ring either way.
         assert after.readbacks - before.readbacks == (0 if land_tokens else 1)
         assert after.bytes_read_back - before.bytes_read_back == (0 if land_tokens else 8 * bs)
         assert claims == 1
@@ -252,7 +254,7 @@ def test_check_steps_logs_each_replays_step_and_first_position() -> None:
     position), and a ``step`` field that changes the sampled tokens."""
     wl = workload(1)
     engine = graph_engine("pool", GraphConfig(capture=False, check_steps=True))
-    assert engine.graphs.check_steps and "step" in {f.name for f in engine.graphs.block.fields}
+    assert engine.graphs.check_steps and "step" in {f.name for f in engine.graphs.block.layout.fields}
     outputs, kinds, _ = drive(engine, wl)
     plain, _, _ = drive(graph_engine("pool"), wl)
     assert_same(outputs, plain, "check_steps")
@@ -270,7 +272,7 @@ def test_check_steps_is_a_pool_mode_tool(mode: GraphMode) -> None:
     """The device-state modes have no host-staged step to log: the flag leaves their block alone."""
     engine = graph_engine(mode, GraphConfig(capture=False, check_steps=True))
     assert not engine.graphs.check_steps
-    assert "step" not in {f.name for f in engine.graphs.block.fields}
+    assert "step" not in {f.name for f in engine.graphs.block.layout.fields}
 
 
 # -- construction -------------------------------------------------------------------------
@@ -289,19 +291,24 @@ def test_a_cpu_engine_never_captures() -> None:
     assert engine.forward_stream is None and engine.schedule_stream is None and engine.upload_stream is None
 
 
-def test_a_pool_step_that_fails_while_staging_gives_its_kv_slots_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Catches KV slots allocated for a step whose stage failed after opening (a landing, the image,
-    the copy) staying allocated: the step never ran, so nothing will ever free them."""
+@pytest.mark.parametrize("where", ["put_image", "landing", "flush"])
+def test_a_pool_step_that_fails_while_staging_gives_its_kv_slots_back(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Catches KV slots allocated for a step whose stage failed after opening (the image, the
+    landing's handle, the copy) staying allocated: the step never ran, so nothing will ever free
+    them."""
     engine = graph_engine("pool")
+    assert engine.land_tokens  # the landing path runs here
     engine.submit(make_requests(workload(2), CFG.vocab_size))
     while engine.step() != "decode":
         pass
     free_before = engine.kv.available_size()
 
-    def fail(self: StaticStage, name: str, dtype: torch.dtype = torch.int64) -> None:
-        raise RuntimeError("landing refused")
+    def fail(self: Stage, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(f"{where} refused")
 
-    monkeypatch.setattr(StaticStage, "land", fail)
-    with pytest.raises(RuntimeError, match="landing refused"):
+    monkeypatch.setattr(Stage, where, fail)
+    with pytest.raises(RuntimeError, match=f"{where} refused"):
         engine.step()
     assert engine.kv.available_size() == free_before

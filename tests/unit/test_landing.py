@@ -1,11 +1,15 @@
-"""Landings: a kernel stores a step's outputs straight into the step's ring slot (``StaticStage.land``).
+"""Landings: a kernel stores a step's outputs straight into the step's ring slot.
+
+A landing is a field kind (``Field.landing``): the stage writes, per live row, the pinned
+host address the row's value is stored at when it opens, and ``st.landing(name)`` reads
+the values after close. A plain stage has the ad-hoc form, ``st.land(numel, dtype)``.
 
 Three parts:
 - ``pinpool.landing.land`` (the kernel, under the Triton interpreter here, and its torch
   reference): each value at its address, padding rows (address 0) untouched, typed
   errors that write nothing;
-- ``StaticStage.land`` on the plain CPU path: the addresses travel in the step's one copy,
-  no read-back copy, the handle readable only after a successful close;
+- landing fields of a ``DeviceBlock`` on the plain CPU path: the addresses travel in the
+  step's one copy, no read-back copy, the handle readable only after a successful close;
 - the stream rules against the stream-aware simulator (``LaggingGpu``): a random plan of
   stage streams, registered replay streams, current stream and device changes, lag and
   frozen bursts must read every step's own landed values. The controls plant the two
@@ -25,28 +29,31 @@ import torch
 
 from pinpool import (
     CapacityError,
+    DeviceBlock,
+    Field,
+    Layout,
     PinnedRingBuffer,
     PoolSettings,
     PoolStateError,
+    SettingsError,
     StagingTypeError,
     StagingValueError,
-    StaticField,
-    StaticInputs,
 )
 from pinpool.landing import land, land_reference
+from pinpool.layout import LANDING_TAG
 from pinpool.readback import Landing
-from pinpool.stage import LANDING_TAG
+from pinpool.stage import State
 from pinpool.testing import LaggingGpu, SimStream
 from pinpool.transport import Stream
 
-FIELDS = (StaticField("x", torch.int64, pad=-1), StaticField("dst", torch.int64, pad=0))
 MAX_ROWS = 16
+LAYOUT = Layout([Field("x", torch.int64, pad=-1), Field.landing("dst")], MAX_ROWS)
 SLOT_BYTES = 1024
 
 
-def cpu_block(num_slots: int = 2, zero_copy: bool = True) -> tuple[PinnedRingBuffer, StaticInputs]:
+def cpu_block(num_slots: int = 2, zero_copy: bool = True) -> tuple[PinnedRingBuffer, DeviceBlock]:
     pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=num_slots, slot_bytes=SLOT_BYTES, zero_copy=zero_copy))
-    return pool, StaticInputs(pool, FIELDS, max_rows=MAX_ROWS)
+    return pool, DeviceBlock(pool, LAYOUT)
 
 
 # -- the kernel and its reference ---------------------------------------------------------
@@ -105,7 +112,7 @@ def test_land_refuses_bad_input_by_name_and_stores_nothing(
             fn(values, addresses)
 
 
-# -- StaticStage.land on the CPU path -------------------------------------------------------
+# -- landing fields of a DeviceBlock on the CPU path ------------------------------------------
 def test_a_landed_step_is_one_copy_no_read_back_and_reads_after_close() -> None:
     """Catches addresses left out of the copy, a read-back copy issued anyway, a landing inside the
     copied bytes, padding rows that would store, or a handle readable before its fence follows the kernel."""
@@ -113,47 +120,76 @@ def test_a_landed_step_is_one_copy_no_read_back_and_reads_after_close() -> None:
     rows, live = 8, 5
     st = block.stage(rows, live)
     st.put("x", np.arange(live, dtype=np.int64))
-    handle = st.land("dst")
+    handle = st.landing("dst")
     assert isinstance(handle, Landing) and not handle.ready()
     with pytest.raises(PoolStateError, match="before its stage closed"):
         handle.tolist()
     st.flush()
     views = block.views(rows)
+    assert st.views["dst"] is views["dst"] or torch.equal(st.views["dst"], views["dst"])
     dst = views["dst"].tolist()
     assert all(a != 0 for a in dst[:live]) and dst[live:] == [0] * (rows - live)
     assert [b - a for a, b in itertools.pairwise(dst[:live])] == [8] * (live - 1)
+    lo, hi = pool.host_slab.data_ptr(), pool.host_slab.data_ptr() + pool.host_slab.numel()
+    slot_lo = lo + st.slot * SLOT_BYTES
+    assert all(slot_lo + block.layout.nbytes(rows) <= a < slot_lo + SLOT_BYTES <= hi for a in dst[:live])
     land(torch.arange(rows, dtype=torch.int64) * 10 + 1, views["dst"])  # the "replay"
+    with pytest.raises(PoolStateError, match="before its stage closed"):
+        handle.tolist()
     st.close()
     assert handle.tolist() == [1, 11, 21, 31, 41]
     stats = pool.stats()
-    assert stats.copies == 1 and stats.readbacks == 0 and stats.bytes_copied == block.nbytes(rows)
+    assert stats.copies == 1 and stats.readbacks == 0 and stats.bytes_copied == block.layout.nbytes(rows)
 
 
-def test_land_errors_are_typed_and_leave_the_stage_usable_or_aborted() -> None:
-    """Catches a landing accepted after the copy was issued, on a field that cannot hold addresses,
-    on a pool whose kernels may not write its slots, or read after its stage was aborted."""
+@pytest.mark.parametrize(
+    ("declare", "match"),
+    [
+        (lambda: Field("dst", torch.int64, 1, torch.int64), "a landing field holds int64 addresses with pad 0"),
+        (lambda: Field("dst", torch.float32, 0, torch.float32), "a landing field holds int64 addresses with pad 0"),
+        (lambda: Field.landing("dst", torch.int16), "'lands' must be one of"),
+    ],
+    ids=["pad", "dtype", "landing-dtype"],
+)
+def test_a_landing_field_that_cannot_hold_addresses_is_refused_when_declared(declare: object, match: str) -> None:
+    """Catches a landing on a field that cannot hold addresses (a pad that would store through a
+    padding row, a non-int64 column), or of a dtype no writer stores, found only at a step."""
+    with pytest.raises(SettingsError, match=match):
+        declare()  # type: ignore[operator]
+
+
+def test_landing_errors_are_typed_and_leave_the_stage_usable_or_aborted() -> None:
+    """Catches a handle asked of a field that is no landing, an ad-hoc landing accepted after the copy
+    was issued or of a dtype no writer stores, a landing on a pool whose kernels may not write its
+    slots, or a handle read after its stage was aborted."""
     _, block = cpu_block()
     with block.stage(4, 2) as st:
         st.put("x", [1, 2])
-        with pytest.raises(StagingValueError, match="'name' must be an int64 field with pad 0"):
-            st.land("x")
+        with pytest.raises(StagingValueError, match="'name' must be a landing field"):
+            st.landing("x")
+        with pytest.raises(StagingValueError, match="'name' must be a declared field"):
+            st.landing("nope")
         with pytest.raises(StagingTypeError, match="'dtype' of a landing"):
-            st.land("dst", torch.int16)
-        st.land("dst")
+            st.land(2, torch.int16)
         st.flush()
-        with pytest.raises(PoolStateError, match="before flush"):
-            st.land("dst")
+        with pytest.raises(PoolStateError, match="flushed"):
+            st.land(2)
+        land(torch.tensor([3, 4, 5, 6]), st.views["dst"])
+    assert st.landing("dst").tolist() == [3, 4]  # the refusals took nothing the landing needs
     with pytest.raises(RuntimeError, match="boom"), block.stage(4, 2) as st:
         st.put("x", [1, 2])
-        aborted = st.land("dst")
+        aborted = st.landing("dst")
         st.flush()
         raise RuntimeError("boom")
+    assert st.state is State.ABORTED
     with pytest.raises(PoolStateError, match="aborted"):
         aborted.tolist()
-    _, plain = cpu_block(zero_copy=False)
-    with pytest.raises(PoolStateError, match="zero_copy"), plain.stage(4, 2) as st:
-        st.put("x", [1, 2])
-        st.land("dst")
+    plain_pool_, plain = cpu_block(zero_copy=False)
+    with pytest.raises(PoolStateError, match="zero_copy"):
+        plain.stage(4, 2)  # refused at open: no address is handed out
+    assert plain_pool_.claims == 0
+    with plain_pool_.stage() as st, pytest.raises(PoolStateError, match="zero_copy"):
+        st.land(2)
 
 
 def test_a_read_back_in_a_landed_stage_stops_before_the_landing() -> None:
@@ -161,11 +197,11 @@ def test_a_read_back_in_a_landed_stage_stops_before_the_landing() -> None:
     pool, block = cpu_block()
     st = block.stage(16, 16)
     st.put("x", np.arange(16, dtype=np.int64))
-    handle = st.land("dst")
+    handle = st.landing("dst")
     st.flush()
     views = block.views(16)
     land(torch.arange(16, dtype=torch.int64) + 500, views["dst"])
-    room = SLOT_BYTES - 16 * 8 - block.nbytes(16)
+    room = SLOT_BYTES - 16 * 8 - block.layout.nbytes(16)
     with pytest.raises(CapacityError, match="before its landings"):
         st.readback(torch.zeros(room // 8 + 2, dtype=torch.int64))
     other = st.readback(torch.arange(4, dtype=torch.int64) + 900)
@@ -175,19 +211,30 @@ def test_a_read_back_in_a_landed_stage_stops_before_the_landing() -> None:
 
 
 # -- the stream rules, in the simulator -----------------------------------------------------
-class NoFenceAfterReaders(StaticInputs):
-    """Planted: a landed stage's fence does not wait for the replay streams."""
+class NoFenceAfterReaders(DeviceBlock):
+    """Planted: a landed stage's close does not wait for the replay streams before the slot's fence
+    (the wait before the copy, for the previous replays, is kept)."""
 
-    def fence_after_readers(self, stream: Stream) -> None:
-        return None
+    _copying = False
+
+    def before_copy(self, stream: Stream) -> None:
+        self._copying = True
+        try:
+            super().before_copy(stream)
+        finally:
+            self._copying = False
+
+    def wait_for_readers(self, stream: Stream) -> None:
+        if self._copying:
+            super().wait_for_readers(stream)
 
 
 def run_landing_plan(
-    seed: int, block_type: type[StaticInputs] = StaticInputs, unregistered_writer: bool = False, steps: int = 30
+    seed: int, block_type: type[DeviceBlock] = DeviceBlock, unregistered_writer: bool = False, steps: int = 30
 ) -> list[str]:
-    """One random plan: each step stages, lands, "replays" (a queued kernel that reads the staged
-    addresses when it runs and stores the step's values there) and closes; handles are read up to
-    num_slots - 1 claims later. Returns every wrong read."""
+    """One random plan: each step stages (the addresses are written at open), "replays" (a queued
+    kernel that reads the staged addresses when it runs and stores the step's values there) and
+    closes; handles are read up to num_slots - 1 claims later. Returns every wrong read."""
     rng = random.Random(seed)
     gpu = LaggingGpu(max_lag=rng.randint(0, 40), seed=seed, devices=2)
     streams: list[SimStream] = [gpu.current_stream(0)]
@@ -198,7 +245,7 @@ def run_landing_plan(
         PoolSettings(device="cpu", num_slots=num_slots, slot_bytes=SLOT_BYTES, zero_copy=True), transport=gpu
     )
     gpu.set_current(rng.choice(streams))
-    block = block_type(pool, FIELDS, max_rows=MAX_ROWS)
+    block = block_type(pool, LAYOUT)
     readers = rng.sample(streams, rng.randint(1, 2))
     for reader in readers:
         block.register_reader(reader)
@@ -234,7 +281,7 @@ def run_landing_plan(
         stage_stream = rng.choice([*streams, None])
         with block.stage(rows, live, stream=stage_stream) as st:
             st.put("x", np.full(live, step, dtype=np.int64))
-            handle = st.land("dst")
+            handle = st.landing("dst")
             st.flush()
             writer = stray if unregistered_writer else rng.choice([st.stream, *readers])
             dst_view = block.views(rows)["dst"]
@@ -267,12 +314,12 @@ def test_any_mix_of_stage_streams_and_replay_streams_reads_every_steps_own_lande
 @pytest.mark.parametrize(
     ("planted", "unregistered", "least"),
     [
-        pytest.param(StaticInputs, True, 0.8, id="writer-on-an-unregistered-stream"),
+        pytest.param(DeviceBlock, True, 0.8, id="writer-on-an-unregistered-stream"),
         pytest.param(NoFenceAfterReaders, False, 0.7, id="close-fence-does-not-wait-for-replays"),
     ],
 )
 def test_control_the_same_plans_with_the_guard_planted_away_read_wrong_values(
-    planted: type[StaticInputs], unregistered: bool, least: float
+    planted: type[DeviceBlock], unregistered: bool, least: float
 ) -> None:
     """Catches a property test too weak to see the landing's fence rule: planted away, it must fail."""
     caught = sum(bool(run_landing_plan(seed, planted, unregistered)) for seed in PLAN_SEEDS)
@@ -310,43 +357,53 @@ def test_a_stage_with_a_landing_closed_without_flush_is_refused_and_its_handle_n
     assert pool.stats().copies == 0
     with pytest.raises(PoolStateError, match="before its stage closed"):
         handle.tolist()
-    _, block = cpu_block()
+    block_pool, block = cpu_block()
     with pytest.raises(PoolStateError, match="needs flush"), block.stage(2, 2) as sst:
         sst.put("x", [1, 2])
-        static_handle = sst.land("dst")
+        static_handle = sst.landing("dst")
     with pytest.raises(PoolStateError, match="before its stage closed"):
         static_handle.tolist()
+    with pytest.raises(PoolStateError, match="needs flush"), block_pool.stage(LAYOUT, rows=2) as rst:
+        rst.put("x", [1, 2])
+    with pytest.raises(PoolStateError, match="before its stage closed"):
+        rst.landing("dst").tolist()
+    assert block_pool.stats().copies == 0 and block_pool.stats().aborted_stages == 2
 
 
-def test_writes_after_land_that_would_cancel_it_are_refused() -> None:
-    """Catches put_image, put or host on the address field after land(), or a second land() on it:
-    each would leave an armed handle that reads stale bytes."""
+def test_writes_that_would_cancel_a_landing_are_refused_and_an_image_keeps_the_addresses() -> None:
+    """Catches put or host on a landing field, or a put_image that copies the image's zeros over the
+    addresses: each would leave an armed handle that reads stale bytes while the writer stores nowhere."""
     _, block = cpu_block()
     image = block.host_image(4, 2)
+    image.views["x"][:] = [7, 8]
     with block.stage(4, 2) as st:
-        st.put("x", [1, 2])
-        st.land("dst")
-        for write in (
-            lambda: st.put_image(image),
-            lambda: st.put("dst", [0, 0]),
-            lambda: st.host("dst"),
-            lambda: st.land("dst"),
-        ):
-            with pytest.raises(PoolStateError, match="land"):
+        for write in (lambda: st.put("dst", [0, 0]), lambda: st.host("dst")):
+            with pytest.raises(PoolStateError, match="'dst' is a landing"):
                 write()
+        st.put_image(image)
         st.flush()
+        addresses = block.views(4)["dst"].tolist()
+        assert all(addresses[:2]) and addresses[2:] == [0, 0]
+        land(torch.tensor([5, 6, 7, 8]), block.views(4)["dst"])
+    assert block.views(4)["x"].tolist() == [7, 8, -1, -1] and st.landing("dst").tolist() == [5, 6]
 
 
-def test_a_stage_with_only_landing_bytes_is_fenced_and_moves_the_ring_on() -> None:
-    """Catches a stage that reserved landing bytes but copied nothing being closed with no fence,
-    its slot handed straight to the next stage while a writer may still store into it."""
-    pool = plain_pool()
-    with pool.stage() as st:
-        st.reserve_landing(64)
-        first = st.slot
-    with pool.stage() as st:
-        st.put([1], torch.int64)
-        assert st.slot != first
+@pytest.mark.parametrize("kind", ["ad-hoc", "ring-layout", "block"])
+def test_an_aborted_stage_with_landing_bytes_is_fenced_and_moves_the_ring_on(kind: str) -> None:
+    """Catches a stage that claimed landing bytes but copied nothing (aborted) being closed with no
+    fence, its slot handed straight to the next stage while a writer it launched may still store into it."""
+    pool, block = cpu_block(num_slots=3)
+    st = (
+        pool.stage() if kind == "ad-hoc" else pool.stage(LAYOUT, rows=2) if kind == "ring-layout" else block.stage(2, 2)
+    )
+    if kind == "ad-hoc":
+        st.land(8)
+    assert st.landing_bytes
+    st.close(ok=False)
+    assert pool.stats().copies == 0 and pool.stats().aborted_stages == 1
+    with pool.stage() as nxt:
+        nxt.put([1], torch.int64)
+        assert nxt.slot != st.slot
 
 
 def test_a_read_back_of_something_not_a_tensor_is_a_typed_error() -> None:
@@ -383,7 +440,7 @@ def test_a_landing_whose_addresses_do_not_fit_spills_them_when_the_pool_spills()
     with pool.stage() as st:
         st.put(list(range(100)), torch.int64)
         addresses, handle = st.land(16)
-        assert st.spilled
+        assert pool.stats().overflows == 1  # the addresses went through a spilled put
         st.flush()
         land(torch.arange(16, dtype=torch.int64) + 70, addresses)
     assert handle.tolist() == list(range(70, 86))
@@ -391,16 +448,28 @@ def test_a_landing_whose_addresses_do_not_fit_spills_them_when_the_pool_spills()
 
 def test_an_image_of_another_size_is_refused_and_never_written_past_the_block() -> None:
     """Catches put_image copying a resized HostImage.data past the layout (into the next slot) or
-    leaving part of the layout stale."""
+    leaving part of the layout stale; also an image of another layout or size."""
     pool, block = cpu_block(num_slots=2)
     image = block.host_image(4, 2)
-    for data in (np.full(image.data.shape[0] + 64, 0xAB, np.uint8), np.zeros(8, np.uint8)):
+    pool.host_slab.numpy()[:] = 0x5A  # what the refused images must leave as it is
+    for data in (
+        np.full(image.data.shape[0] + 64, 0xAB, np.uint8),
+        np.zeros(8, np.uint8),
+        np.zeros(image.data.shape[0] // 8, np.int64),
+    ):
         image.data = data
         with pytest.raises(StagingValueError, match=r"'image\.data' must be uint8"), block.stage(4, 2) as st:
             st.put_image(image)
-    assert pool.stats().aborted_stages == 2
-    with pool.stage() as st, pytest.raises(CapacityError, match="must lie in this slot"):
-        st.write_host(SLOT_BYTES - 4, b"12345678")
+    assert pool.stats().aborted_stages == 3
+    slab, end = pool.host_slab.numpy(), block.layout.nbytes(4)
+    for slot in range(2):  # each stage wrote its addresses in its layout, and nothing past it
+        assert (slab[slot * SLOT_BYTES + end : (slot + 1) * SLOT_BYTES] == 0x5A).all(), (
+            f"written past slot {slot}'s layout"
+        )
+    for other in (block.host_image(4, 3), Layout(LAYOUT.fields, MAX_ROWS).host_image(4, 2)):
+        with pytest.raises(StagingValueError, match=r"'image' must be this stage's"), block.stage(4, 2) as st:
+            st.put_image(other)
+    assert pool.stats().copies == 0
 
 
 @pytest.mark.parametrize("registered", [True, False], ids=["drained", "control-not-drained"])
@@ -415,13 +484,12 @@ def test_a_pool_dropped_mid_step_waits_for_a_replay_on_a_block_reader(
         PoolSettings(device="cpu", num_slots=2, slot_bytes=SLOT_BYTES, zero_copy=True), transport=gpu
     )
     if not registered:
-        monkeypatch.setattr(PinnedRingBuffer, "drain_at_teardown", lambda self, stream: None)
-    block = StaticInputs(pool, FIELDS, max_rows=MAX_ROWS)
+        monkeypatch.setattr(PinnedRingBuffer, "_drain_at_teardown", lambda self, stream: None)
+    block = DeviceBlock(pool, LAYOUT)
     replay = gpu.new_stream("replay")
     block.register_reader(replay)
     st = block.stage(4, 2)
     st.put("x", [1, 2])
-    st.land("dst")
     st.flush()
     ran: list[bool] = []
     gpu.frozen = True  # the device runs only when the host waits

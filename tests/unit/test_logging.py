@@ -14,6 +14,7 @@ import pytest
 import structlog
 
 from pinpool import log
+from pinpool.bench import stderr_log
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _no_stderr_handler() -> Iterator[None]:
     """A test that turns on the CLI's stderr handler must not leave it on for the next."""
     yield
-    log.log_to_stderr(None)
+    stderr_log.log_to_stderr(None)
 
 
 def test_unconfigured_library_shows_nothing_below_warning(tmp_path: Path) -> None:
@@ -82,20 +83,20 @@ def test_log_to_stderr_is_undone_by_none(capsys: pytest.CaptureFixture[str]) -> 
     """Catches the CLI's stderr handler or level left on pinpool's loggers after an in-process run."""
     logger = logging.getLogger("pinpool")
     before = logger.level
-    assert log.log_to_stderr(logging.INFO) is None
+    assert stderr_log.log_to_stderr(logging.INFO) is None
     log.get_logger("pinpool").info("pool.created", num_slots=4)
     assert "pool.created num_slots=4" in capsys.readouterr().err
-    assert log.log_to_stderr(None) == logging.INFO
+    assert stderr_log.log_to_stderr(None) == logging.INFO
     assert logger.level == before and logger.handlers == []
-    assert log.stderr_level() is None
+    assert stderr_log.stderr_level() is None
 
 
 def test_log_level_env_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     """Catches a typo in PINPOOL_LOG_LEVEL silently falling back to some other level."""
-    monkeypatch.delenv(log.LOG_LEVEL_ENV, raising=False)
-    assert log.level_from_env() == logging.WARNING
-    monkeypatch.setenv(log.LOG_LEVEL_ENV, "DEBUG")
-    assert log.level_from_env() == logging.DEBUG
-    monkeypatch.setenv(log.LOG_LEVEL_ENV, "loud")
+    monkeypatch.delenv(stderr_log.LOG_LEVEL_ENV, raising=False)
+    assert stderr_log.level_from_env() == logging.WARNING
+    monkeypatch.setenv(stderr_log.LOG_LEVEL_ENV, "DEBUG")
+    assert stderr_log.level_from_env() == logging.DEBUG
+    monkeypatch.setenv(stderr_log.LOG_LEVEL_ENV, "loud")
     with pytest.raises(ValueError, match="PINPOOL_LOG_LEVEL"):
-        log.level_from_env()
+        stderr_log.level_from_env()

@@ -116,7 +116,7 @@ def test_readback_tolist_is_refused_after_recycle_like_values() -> None:
 
 
 def test_stage_readback_shares_the_slot_and_fence_with_the_upload() -> None:
-    """Catches a step exchange that takes a second slot, or reads back before the upload copy."""
+    """Catches a step's read-back that takes a second slot, or reads back before the upload copy."""
     pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=4, slot_bytes=256))
     with pool.stage() as st:
         up = st.put([1, 2, 3], torch.int64)
@@ -162,18 +162,27 @@ def test_stage_readback_that_does_not_fit_is_refused_before_any_copy() -> None:
     assert pool.stats().readbacks == 0
 
 
-def test_stage_readback_records_one_fence_and_refuses_retain_after_it() -> None:
-    """Catches a second fence record per step, or a retain the recorded fence would not cover."""
+def test_stage_readback_is_readable_at_once_takes_no_put_after_it_and_close_fences_later_kernels() -> None:
+    """Catches a stage read-back whose fence is left for close (its handle unreadable, or read before its
+    copy landed, inside the stage), a put after it (those values would miss the stage's one copy), or a
+    close that does not fence again after the kernels launched since, which a ``retain`` then leans on."""
     gpu = LaggingGpu(max_lag=4, seed=1)
     pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=256), transport=gpu)
     with pool.stage() as st:
         st.put([1, 2], torch.int64)
         st.flush()
+        gpu.calls.clear()
         handle = st.readback(torch.tensor([5, 6]))
-        with pytest.raises(PoolStateError, match="flushed"):  # retained objects must come before the flush
-            st.retain(torch.zeros(1))
-    assert [c for c, _ in gpu.calls].count("cudaEventRecord") == 1
-    assert handle.tolist() == [5, 6]
+        assert gpu.calls == [("cudaMemcpyAsync", "default:0"), ("cudaEventRecord", "default:0")]
+        assert handle.tolist() == [5, 6]  # readable before the stage closes
+        with pytest.raises(PoolStateError, match="flushed"):
+            st.put([3], torch.int64)
+        st.retain(torch.zeros(1))  # kept for a kernel launched after the read-back
+        gpu.enqueue_check(torch.zeros(1), torch.zeros(1), "a kernel launched after the read-back")
+    assert gpu.calls[-2:] == [("kernel", "default:0"), ("cudaEventRecord", "default:0")]
+    assert [c for c, _ in gpu.calls].count("cudaEventRecord") == 2
+    gpu.drain()
+    assert handle.tolist() == [5, 6] and not gpu.races and not gpu.mismatches
 
 
 @pytest.mark.parametrize(

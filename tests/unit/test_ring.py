@@ -191,14 +191,14 @@ def test_tensor_on_another_device_is_refused() -> None:
 def test_owned_stage_copies_into_consumer_memory_that_survives_the_ring() -> None:
     """Catches owned data aliasing the ring (rule 4)."""
     pool = make_pool(num_slots=2)
-    with pool.stage(owned_bytes=64) as st:
+    with pool.stage(owned=64) as st:
         kept = st.put([1.5, 2.5], torch.float32)
     for i in range(5):
         with pool.stage() as st2:
             st2.put([float(i)] * 8, torch.float32)
     assert kept.tolist() == [1.5, 2.5] and st.is_live
     assert pool.stats().owned_stages == 1
-    with pool.stage(owned_bytes=8) as st3, pytest.raises(CapacityError, match="owned buffer"):
+    with pool.stage(owned=8) as st3, pytest.raises(CapacityError, match="owned buffer"):
         st3.put([1.0] * 8, torch.float32)  # 32 bytes into 8 (rounded up to 16)
 
 
@@ -269,21 +269,22 @@ def test_events_have_stable_names() -> None:
     assert logs[0]["num_slots"] == 3 and logs[0]["slot_bytes"] == 1024
 
 
-def test_a_reused_owned_buffer_is_checked_again_after_its_shape_changed_in_place() -> None:
-    """The reuse_owned fast path skips the full check for the same buffer, never its shape's."""
+def test_an_owned_buffer_is_checked_again_after_its_shape_changed_in_place() -> None:
+    """Catches an owned buffer checked once and then trusted: the same object reshaped in place is refused."""
     pool = make_pool()
     owned = torch.zeros(64, dtype=torch.uint8)
-    for value in (3, 4):  # the second stage takes the fast path
-        with pool.stage(owned=owned, reuse_owned=True) as st:
+    for value in (3, 4):  # the same buffer, staged twice
+        with pool.stage(owned=owned) as st:
             st.put([value] * 8, torch.int64)
         assert owned.view(torch.int64)[:8].tolist() == [value] * 8
     owned.resize_(8, 8)  # in place: the same object, now 2-D
     with pytest.raises(PoolStateError, match="contiguous 1-D uint8"):
-        pool.stage(owned=owned, reuse_owned=True)
+        pool.stage(owned=owned)
     assert owned.view(torch.int64).flatten()[:8].tolist() == [4] * 8  # nothing was written
     wrong = torch.zeros(64, dtype=torch.int32)
     with pytest.raises(PoolStateError, match="contiguous 1-D uint8"):
-        pool.stage(owned=wrong, reuse_owned=True)  # another buffer: the full check
+        pool.stage(owned=wrong)  # another buffer: the same check
+    assert pool.claims == 2  # a refused open claims nothing
     pool.close()
 
 
@@ -307,27 +308,28 @@ def test_an_array_of_the_target_dtype_is_put_exactly_whatever_its_layout() -> No
     pool.close()
 
 
-def test_a_reused_owned_buffer_swapped_in_place_for_another_dtype_is_refused() -> None:
-    """``buf.data = other`` keeps the object but changes its dtype: the fast path must not take it."""
+def test_an_owned_buffer_swapped_in_place_for_another_dtype_is_refused() -> None:
+    """Catches a cached view of an owned buffer: ``buf.data = other`` keeps the object but changes its dtype."""
     pool = make_pool()
     owned = torch.zeros(256, dtype=torch.uint8)
-    with pool.stage(owned=owned, reuse_owned=True) as st:
+    with pool.stage(owned=owned) as st:
         st.put([1, 2], torch.int64)
     owned.data = torch.zeros(64, dtype=torch.float32)  # the same object, now float32
     with pytest.raises(PoolStateError, match="contiguous 1-D uint8"):
-        pool.stage(owned=owned, reuse_owned=True)
+        pool.stage(owned=owned)
     assert owned.tolist() == [0.0] * 64  # nothing was written
     pool.close()
 
 
-def test_the_pool_does_not_keep_a_reused_owned_buffer_alive_past_its_slice_cache() -> None:
+def test_the_pool_does_not_keep_an_owned_buffer_alive_after_its_stage() -> None:
+    """Catches a pool that holds a caller's owned buffer (a view cache, the open stage) once its stage closed."""
     pool = make_pool()
     owned = torch.zeros(256, dtype=torch.uint8)
-    with pool.stage(owned=owned, reuse_owned=True) as st:
+    with pool.stage(owned=owned) as st:
         st.put([1], torch.int64)
+    with pool.stage(owned=owned) as st:  # a second stage of the same buffer
+        st.put([2], torch.int64)
     gone = weakref.ref(owned)
-    for cache in pool._owned_ranges:  # what the docstring says keeps it alive, cleared
-        cache.clear()
     del owned, st
     gc.collect()
     assert gone() is None

@@ -60,7 +60,7 @@ def run_plan(pool: PinnedRingBuffer, gpu: LaggingGpu, plan: list[Any], seed: int
         staged: list[tuple[torch.Tensor, np.ndarray[Any, Any]]] = []
         try:
             owned = 4096 if mode == "owned" else None
-            with pool.stage(owned_bytes=owned) as stage:
+            with pool.stage(owned=owned) as stage:
                 for dtype, n, as_list in puts:
                     values = random_values(rng, dtype, n)
                     source = values.tolist() if as_list else values

@@ -25,9 +25,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolSettings
+from pinpool import DeviceMismatchError, Field, Layout, PinnedRingBuffer, PoolSettings
 from pinpool import transport as transport_module
-from pinpool.stage import Stage
+from pinpool.stage import Placement, Stage
 from pinpool.testing import LaggingGpu, SimStream
 from pinpool.transport import CudaTransport, Stream
 
@@ -35,18 +35,27 @@ Read = tuple[int, Callable[[], None]]
 
 
 class NoHandOffRing(PinnedRingBuffer):
-    """Planted bug (case 2): a slot changes stream without the new stream waiting for the old."""
+    """Planted bug (case 2): a slot changes stream without the new stream waiting for the old.
 
-    def _hand_off(self, slot: int, last: Stream, stream: Stream) -> None:
-        return None
+    The ring is told, before each claim, that the slot's last user was the claiming stream
+    itself, so the claim sees no change of stream and makes no device-side wait.
+    """
+
+    def _claim(self, stream: Stream, placement: Placement, *, writes_mirror: bool) -> int:
+        self._last_stream[self._next_slot] = stream
+        return super()._claim(stream, placement, writes_mirror=writes_mirror)
 
 
 class StreamAtCloseRing(PinnedRingBuffer):
-    """Planted bug (case 1): the stage's stream is taken again at close, as "whatever is current"."""
+    """Planted bug (case 1): the stage's stream is taken again at the copy and at close, as "whatever is current"."""
 
-    def finish_stage(self, st: Stage, ok: bool) -> None:
+    def _issue_copy(self, st: Stage) -> None:
         st.stream = self._transport.resolve_stream(None)
-        super().finish_stage(st, ok)
+        super()._issue_copy(st)
+
+    def _finish(self, st: Stage, ok: bool) -> None:
+        st.stream = self._transport.resolve_stream(None)
+        super()._finish(st, ok)
 
 
 def run_plan(
@@ -58,7 +67,9 @@ def run_plan(
     streams: list[SimStream] = [gpu.current_stream(0)]
     streams += [gpu.new_stream(f"s{i}") for i in range(1, rng.randint(2, 3) + 1)]
     gpu.set_current(gpu.new_stream("other-device", device_index=1))
-    settings = PoolSettings(device="cpu", num_slots=num_slots, slot_bytes=1024, debug=rng.random() < 0.2)
+    settings = PoolSettings(
+        device="cpu", num_slots=num_slots, slot_bytes=1024, debug=rng.random() < 0.2, zero_copy=True
+    )
     pool = ring(settings, transport=gpu)
     consumers = rng.sample(streams, rng.randint(0, 2))
     for consumer in consumers:
@@ -89,6 +100,21 @@ class Abort(Exception):
     pass
 
 
+#: A decode step's declared layout: ``stage_step``'s "layout" stages land it in the ring's mirror.
+LAYOUT = Layout([Field("ids", torch.int64, pad=-1), Field("temps", torch.float32, pad=0.5)], max_rows=24)
+
+
+def put_layout(stage: Stage, rng: random.Random) -> list[tuple[torch.Tensor, np.ndarray[Any, Any]]]:
+    """Each field's live rows, as a list or an array; returns every field's view with its padded values."""
+    staged = []
+    for name, dtype, pad in (("ids", np.int64, -1), ("temps", np.float32, 0.5)):
+        live = np.array([rng.randint(-(2**20), 2**20) for _ in range(stage.live)], dtype=dtype)
+        stage.put(name, live.tolist() if rng.random() < 0.5 else live)
+        padded = np.concatenate([live, np.full(stage.rows - stage.live, pad, dtype=dtype)])
+        staged.append((stage.views[name], padded))
+    return staged
+
+
 def stage_step(
     pool: PinnedRingBuffer,
     gpu: LaggingGpu,
@@ -98,16 +124,31 @@ def stage_step(
     reads: list[Read],
     step: int,
 ) -> None:
-    """One stage: plain, aborted (maybe after its flush), owned, or with a read-back inside."""
-    kind = rng.choice(["plain", "plain", "plain", "abort", "owned", "readback"])
+    """One stage: plain, aborted (maybe after its flush), owned, with a read-back inside, a declared
+    layout in the ring, or read in place (its readers launched inside the stage)."""
+    kind = rng.choice(["plain", "plain", "plain", "abort", "owned", "readback", "layout", "in place"])
     staged: list[tuple[torch.Tensor, np.ndarray[Any, Any]]] = []
+    stream = rng.choice(streams) if rng.random() < 0.5 else None
+    if kind == "layout":
+        rows = rng.randint(1, LAYOUT.max_rows)
+        opened = pool.stage(LAYOUT, rows=rows, live=rng.randint(0, rows), stream=stream)
+    else:
+        opened = pool.stage(stream=stream, owned=1024 if kind == "owned" else None, zero_copy=kind == "in place")
     try:
-        with pool.stage(
-            stream=rng.choice(streams) if rng.random() < 0.5 else None, owned_bytes=1024 if kind == "owned" else None
-        ) as stage:
-            for _ in range(rng.randint(0, 3)):
+        with opened as stage:
+            if kind == "layout":
+                staged += put_layout(stage, rng)
+            for _ in range(rng.randint(0, 3) if kind != "layout" else 0):
                 values = np.array([rng.randint(-(2**40), 2**40) for _ in range(rng.randint(1, 24))], dtype=np.int64)
                 staged.append((stage.put(values.tolist(), torch.int64), values))
+            if kind == "in place":
+                # Read in place: the readers go before close, on the stage's stream or a consumer,
+                # and close is called under one of them (debug refuses any other).
+                for view, values in staged:
+                    reader = rng.choice([stage.stream, *consumers])
+                    gpu.enqueue_check(view, values, f"step {step} in-place read on {reader.name}", reader)
+                gpu.set_current(rng.choice([stage.stream, *consumers]))
+                return
             if rng.random() < 0.3:
                 stage.flush()
             if kind == "readback":

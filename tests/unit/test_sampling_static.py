@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from pinpool import PinnedRingBuffer, PoolSettings, StaticField, StaticInputs
+from pinpool import DeviceBlock, Field, Layout, PinnedRingBuffer, PoolSettings
 from sampling import (
     DEFAULT_SEED,
     RECORD_DTYPE,
@@ -33,7 +33,7 @@ from sampling import (
 from tests.fakes import Batch, Req, random_params
 
 VOCAB = 64
-FIELDS = (*SAMPLING_FIELDS, StaticField("positions", torch.int64, 0))
+FIELDS = (*SAMPLING_FIELDS, Field("positions", torch.int64, 0))
 KINDS = ("greedy", "plain", "top_p", "top_k", "min_p", "mixed")
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -45,8 +45,8 @@ def make_pool(slot_bytes: int = 1 << 16) -> PinnedRingBuffer:
     return PinnedRingBuffer(PoolSettings(device="cpu", num_slots=4, slot_bytes=slot_bytes))
 
 
-def make_block(max_rows: int = 16) -> StaticInputs:
-    return StaticInputs(make_pool(), FIELDS, max_rows)
+def make_block(max_rows: int = 16) -> DeviceBlock:
+    return DeviceBlock(make_pool(), Layout(FIELDS, max_rows))
 
 
 def params_of(rng: random.Random, kind: str, n: int, vocab: int = VOCAB) -> list[SamplingParams]:
@@ -72,8 +72,8 @@ def records(params: list[SamplingParams]) -> bytes:
     return b"".join(p.record for p in params)
 
 
-def stage(block: StaticInputs, rows: int, params: list[SamplingParams], positions: torch.Tensor) -> None:
-    """One engine step: the live requests' columns and positions; padding is written on close."""
+def stage(block: DeviceBlock, rows: int, params: list[SamplingParams], positions: torch.Tensor) -> None:
+    """One engine step: the live requests' columns and positions; padding is written with the copy."""
     cols = sampling_columns(records(params))
     with block.stage(rows, len(params)) as st:
         for name, values in cols.items():
@@ -162,7 +162,7 @@ def test_top_p_one_row_keeps_its_tail_on_the_static_path() -> None:
     probs = torch.softmax(logits, -1).sort(descending=True).values
     assert int(((probs.cumsum(-1) - probs) > 1.0).sum()) > 0  # the row really trips the rounding
     target = SamplingParams(temperature=1.0, seed=-77)
-    block = StaticInputs(make_pool(), FIELDS, 2)
+    block = make_block(max_rows=2)
     info = StaticSamplingInfo(block.views(2), 2, vocab)
     batch_logits = torch.stack([logits, torch.randn(vocab, generator=torch.Generator().manual_seed(9))])
     for pos in range(16):
@@ -218,7 +218,7 @@ def test_kernel_with_static_info_draws_the_eager_kernel_tokens(kind: str) -> Non
     the eager batch's own flags, or with its torch reference."""
     rng = random.Random(len(kind))
     vocab, rows, live = 300, 6, 4
-    block = StaticInputs(make_pool(), FIELDS, rows)
+    block = make_block(max_rows=rows)
     info = StaticSamplingInfo(block.views(rows), rows, vocab)
     params = params_of(rng, kind, live, vocab)
     positions = torch.tensor([rng.randrange(4096) for _ in range(live)], dtype=torch.int64)
@@ -245,7 +245,7 @@ def plain_views(rows: int, **override: Any) -> dict[str, Any]:
 
 
 def test_plain_tensors_work_and_extra_fields_are_ignored() -> None:
-    """Catches an info that insists on a StaticInputs block, or trips on an engine's own fields."""
+    """Catches an info that insists on a DeviceBlock, or trips on an engine's own fields."""
     views = plain_views(3, positions=torch.zeros(3, dtype=torch.int64), other="not a tensor")
     info = StaticSamplingInfo(views, 3, VOCAB)
     assert info.top_ks is views["top_k"]

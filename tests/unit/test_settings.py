@@ -7,7 +7,8 @@ import warnings
 import pytest
 import torch
 
-from pinpool import OverflowPolicy, PoolSettings, SettingsError
+from pinpool import PoolSettings, SettingsError
+from pinpool.settings import OverflowPolicy
 from pinpool.exceptions import SettingsTypeError, SettingsWarning
 from pinpool.settings import OTHER_ENV
 

@@ -14,6 +14,7 @@ The controls plant the bugs the zero-copy fence exists for and must be caught:
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,32 +22,48 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pinpool import PinnedRingBuffer, PoolSettings, PoolStateError, StaleLeaseError
+from pinpool import Field, Layout, PinnedRingBuffer, PoolSettings, PoolStateError, StaleLeaseError
 from pinpool.exceptions import PlatformError, UnguardedReaderError
 from pinpool.platform import PlatformReport
-from pinpool.stage import Stage
+from pinpool.stage import Placement, Stage
 from pinpool.testing import LaggingGpu, SimStream
 from pinpool.transport import Stream
 from tests.unit.test_ring_streams import Read, fire_due, readback_step, stage_step
 
 
 class FenceAtOpenRing(PinnedRingBuffer):
-    """Planted bug: the zero-copy fence recorded when the stage opens, before its readers are launched."""
+    """Planted bug: the zero-copy fence recorded when the stage opens, before its readers are launched
+    (the close's record goes to a throwaway event)."""
 
-    def _zero_copy_stage(self, stream: Stream, owned_bytes: int | None, owned: torch.Tensor | None) -> Stage:
-        opened = super()._zero_copy_stage(stream, owned_bytes, owned)
-        self._fences[opened.slot].record(stream)
+    def _open_stage(self, stream: Stream | None, placement: Placement, *args: Any, **kw: Any) -> Stage:
+        opened = super()._open_stage(stream, placement, *args, **kw)
+        if placement is Placement.IN_PLACE:
+            self._fences[opened.slot].record(opened.stream)
         return opened
 
-    def _fence_readers(self, st_: Stage) -> None:
-        return None
+    def _finish(self, st_: Stage, ok: bool) -> None:
+        if st_.placement is not Placement.IN_PLACE:
+            super()._finish(st_, ok)
+            return
+        fence, self._fences[st_.slot] = self._fences[st_.slot], self._transport.new_fence()
+        try:
+            super()._finish(st_, ok)
+        finally:
+            self._fences[st_.slot] = fence
 
 
 class ConsumersUncoveredRing(PinnedRingBuffer):
     """Planted bug: the zero-copy fence covers the stage's stream only, not registered consumers."""
 
-    def _fence_readers(self, st_: Stage) -> None:
-        self._fences[st_.slot].record(st_.stream)
+    def _finish(self, st_: Stage, ok: bool) -> None:
+        if st_.placement is not Placement.IN_PLACE:
+            super()._finish(st_, ok)
+            return
+        consumers, self._consumers = self._consumers, []
+        try:
+            super()._finish(st_, ok)
+        finally:
+            self._consumers = consumers
 
 
 def zero_copy_step(
@@ -148,6 +165,7 @@ def test_a_zero_copy_stage_issues_no_copy_and_fences_after_the_readers() -> None
     with pool.stage(zero_copy=True) as stage:
         view = stage.put([1, 2, 3], torch.int32)
         gpu.enqueue_check(view, np.array([1, 2, 3], dtype=np.int32), "reader")
+    assert stage.placement is Placement.IN_PLACE
     assert view.data_ptr() == pool.host_slab.data_ptr()  # the view is the pinned slot itself
     assert gpu.calls == [("kernel", "default:0"), ("cudaEventRecord", "default:0")]
     stats = pool.stats()
@@ -224,7 +242,7 @@ def test_views_are_live_only_while_the_stage_is_open() -> None:
         stage.put([1], torch.int32)
         stage.check_live()
     assert not stage.is_live
-    with pytest.raises(StaleLeaseError, match="Launch readers inside the stage"):
+    with pytest.raises(StaleLeaseError, match="used after its stage closed"):
         stage.check_live()
 
 
@@ -262,7 +280,7 @@ def test_zero_copy_needs_the_setting_and_a_passing_platform_check() -> None:
 def test_zero_copy_and_owned_are_refused_together() -> None:
     """Catches an owned zero-copy stage silently reading the ring (owned data must outlive it)."""
     with pytest.raises(PoolStateError, match="either 'zero_copy=True' or 'owned'"):
-        _pool(LaggingGpu()).stage(zero_copy=True, owned_bytes=64)
+        _pool(LaggingGpu()).stage(zero_copy=True, owned=64)
 
 
 def test_the_host_path_reads_the_slab_in_place() -> None:
@@ -285,3 +303,30 @@ def test_a_read_back_inside_a_zero_copy_stage_is_fenced_after_its_copy() -> None
         handle = stage.readback(src)
     assert handle.tolist() == [0, 1, 2, 3]
     assert [c for c, _ in gpu.calls] == ["cudaMemcpyAsync", "cudaEventRecord", "cudaEventRecord"]
+
+
+def test_a_layout_staged_in_place_is_padded_at_flush_and_never_copied() -> None:
+    """Catches a layout in a zero-copy stage copied anyway, its views not the pinned slot, its padding
+    rows left holding an earlier step's values, or a missing field let through (read in place, the
+    device would see the older step's bytes)."""
+    gpu = LaggingGpu(max_lag=0)
+    pool = _pool(gpu, num_slots=2)
+    layout = Layout([Field("ids", torch.int64, pad=-1), Field("temp", torch.float32, pad=1.0)], 8)
+    for step in range(6):
+        live = 8 if step < 2 else 3  # both slots full of values first
+        with pool.stage(layout, rows=8, live=live, zero_copy=True) as stage:
+            assert stage.placement is Placement.IN_PLACE
+            stage.put("ids", [step] * live)
+            stage.put("temp", [0.5] * live)
+            stage.flush()  # padding written: readers launched from here read the whole layout
+            want_ids = np.array([step] * live + [-1] * (8 - live), dtype=np.int64)
+            gpu.enqueue_check(stage.views["ids"], want_ids, f"step {step} ids")
+            gpu.enqueue_check(stage.views["temp"], np.array([0.5] * live + [1.0] * (8 - live), np.float32), "temp")
+        base = pool.host_slab.data_ptr() + stage.slot * 256
+        assert stage.views["ids"].data_ptr() == base
+    gpu.drain()
+    assert gpu.mismatches == [] and gpu.races == []
+    with pytest.raises(PoolStateError, match=r"missing: \['temp'\]"), pool.stage(layout, rows=2, zero_copy=True) as st_:
+        st_.put("ids", [1, 2])
+    stats = pool.stats()
+    assert (stats.copies, stats.zero_copy_stages, stats.aborted_stages) == (0, 7, 1)  # the aborted one too

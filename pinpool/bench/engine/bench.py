@@ -263,8 +263,9 @@ def workload(ctx: BenchContext) -> list[Table]:
                 notes[1] += f"; pool / pinned staging = {share:.2f} (medians)"
         if READ_BACK in combined:
             notes.append(
-                "pool opens each decode step's exchange in one call (pool.exchange: rows and positions up in one "
-                "copy, the tokens landed in the slot by the sampler's draw kernel); pool-rb is the same mode with a "
+                "pool stages each decode step through one layout declared at start (pool.stage(layout, rows=bs): "
+                "rows and positions up in one copy, the tokens landed in the slot by the sampler's draw kernel); "
+                "pool-rb is the same mode with a "
                 "read-back copy instead of the landing"
             )
             share = ratio(combined["pool"]["staging_us"], combined[READ_BACK]["staging_us"])

@@ -1,6 +1,6 @@
 """The decode step as CUDA graphs: the model and the sampler captured per padded batch size.
 
-Every graph reads its inputs from one ``pinpool.StaticInputs`` block, at the addresses
+Every graph reads its inputs from one ``pinpool.DeviceBlock``, at the addresses
 ``block.views(rows)`` gave at capture: the request rows, positions and KV slots of the
 step, and each request's sampling parameters (``sampling.static``). How the block gets
 this step's values is the staging mode's business (``engine.graph_loop``); the graphs
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pinpool import PinnedRingBuffer, StaticField, StaticInputs
+from pinpool import DeviceBlock, Field, Layout, PinnedRingBuffer
 from pinpool.bench.engine.model import KVCache, SleepModel, TinyDecoder
 from sampling import Sampler
 from sampling.static import SAMPLING_FIELDS, StaticSamplingInfo
@@ -37,20 +37,21 @@ DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 CHECK_STEPS = 1 << 16
 
 
-def step_fields(pad_row: int, check_steps: bool = False, land_tokens: bool = False) -> tuple[StaticField, ...]:
+def step_fields(pad_row: int, check_steps: bool = False, land_tokens: bool = False) -> tuple[Field, ...]:
     """The block's fields: what one decode step needs per request, then its sampling parameters.
 
     ``check_steps`` adds ``step`` (the step's number in every live row), which each replay
     logs on the device: a replay that read another step's block logs the wrong number.
-    ``land_tokens`` adds ``token_dst``: the pinned address each row's sampled token is
-    stored at by the replay itself (``StaticStage.land``), 0 on padding rows.
+    ``land_tokens`` adds ``token_dst``, a landing field: the pinned address each row's
+    sampled token is stored at by the replay itself, written by the stage when it opens
+    (``Field.landing``), 0 on padding rows.
     """
-    check = (StaticField("step", torch.int64, pad=-1),) if check_steps else ()
-    landing = (StaticField("token_dst", torch.int64, pad=0),) if land_tokens else ()
+    check = (Field("step", torch.int64, pad=-1),) if check_steps else ()
+    landing = (Field.landing("token_dst"),) if land_tokens else ()
     return (
-        StaticField("rows", torch.int64, pad=pad_row),
-        StaticField("positions", torch.int64, pad=0),
-        StaticField("out_cache_loc", torch.int64, pad=0),
+        Field("rows", torch.int64, pad=pad_row),
+        Field("positions", torch.int64, pad=0),
+        Field("out_cache_loc", torch.int64, pad=0),
         *SAMPLING_FIELDS,
         *check,
         *landing,
@@ -91,7 +92,7 @@ class DecodeGraphs:
         self.capture = capture
         self.extra_work = extra_work
         device = req_to_token.device
-        self.block = StaticInputs(pool, step_fields(pad_row, check_steps, land_tokens), self.max_rows)
+        self.block = DeviceBlock(pool, Layout(step_fields(pad_row, check_steps, land_tokens), self.max_rows))
         self.check_steps = check_steps
         #: The replay stores each live row's token at the pinned address its step staged.
         self.land_tokens = land_tokens
@@ -157,8 +158,8 @@ class DecodeGraphs:
             return
         mempool = torch.cuda.graph_pool_handle()
         for rows in reversed(self.sizes):
-            with self.block.stage(rows, 0, stream=stage_stream or stream):
-                pass
+            with self.block.stage(rows, 0, stream=stage_stream or stream) as st:
+                st.flush()  # padding only; a layout with a landing field must flush before close
             with torch.cuda.stream(stream):
                 for _ in range(2):
                     self.body(rows)

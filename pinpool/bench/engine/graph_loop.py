@@ -22,11 +22,11 @@ The modes differ only in how the static block gets its values:
   inputs (padding and sampling inputs when the batch or the graph size changes).
   Nothing is uploaded in steady decode (the batch is uploaded when it changes);
 - ``pool``: the scheduler keeps the batch on the host (KV slots from a host free list,
-  ``memcache.HostKVAllocator``, and the block's host image) and one ``StaticInputs``
-  stage lands every field, padding included, in ONE host-to-device copy; the replay
-  stores its tokens straight into the same slot (``StaticStage.land``: no read-back
-  copy), or, where the platform refuses that, a read-back copies them there
-  (``StaticStage.readback``). ``GraphConfig(upload_stream=
+  ``memcache.HostKVAllocator``, and the block's host image) and one stage placed in
+  the ``DeviceBlock`` lands every field, padding included, in ONE host-to-device copy;
+  the replay stores its tokens straight into the same slot (the layout's landing field
+  ``token_dst``: no read-back copy), or, where the platform refuses that, a read-back
+  copies them there (``Stage.readback``). ``GraphConfig(upload_stream=
   "schedule")`` puts that copy on the scheduler's stream instead, with the forward stream
   a registered reader of the block: the stream rules (README, rule 9) order them.
 """
@@ -42,7 +42,7 @@ import torch
 
 from memcache import AllocationError, TokenToKVPoolAllocator
 from memcache.host_kv_allocator import HostKVAllocator
-from pinpool import StaticInputs, StaticStage
+from pinpool import DeviceBlock, Stage
 from pinpool.bench.engine.graph import DEFAULT_SIZES, DecodeGraphs
 from pinpool.bench.engine.loop import Engine, EngineConfig, StagingClock, _Batch
 from pinpool.bench.engine.model import ModelConfig, SleepModel, TinyDecoder
@@ -77,7 +77,7 @@ class GraphConfig:
     #: (``DecodeGraphs.seen_steps``) and ``expected_positions`` says what they should have.
     check_steps: bool = False
     #: pool mode: the replay stores its tokens straight into the step's pinned slot
-    #: (``StaticStage.land``), where the platform allows it; False, or a platform that
+    #: (the landing field ``token_dst``), where the platform allows it; False, or a platform that
     #: refuses kernels writing host memory: a device-to-host read-back copy.
     land_tokens: bool = True
 
@@ -85,11 +85,11 @@ class GraphConfig:
 class _HostBatch:
     """The running batch as the pool mode's scheduler holds it: the block's host image, built on change.
 
-    The image (``StaticInputs.host_image``) holds every field of the layout, padding
+    The image (``DeviceBlock.host_image``) holds every field of the layout, padding
     included; a step updates positions and KV slots in it and lands it with one memcpy.
     """
 
-    def __init__(self, reqs: list[Request], block: StaticInputs, rows: int) -> None:
+    def __init__(self, reqs: list[Request], block: DeviceBlock, rows: int) -> None:
         bs = len(reqs)
         self.image = block.host_image(rows, bs)
         views = self.image.views
@@ -264,7 +264,7 @@ class GraphEngine(Engine):
         reqs, bs = self.running, len(self.running)
         rows = self.graphs.padded(bs)
         mode = self.graph_mode
-        exchange: StaticStage | None = None
+        exchange: Stage | None = None
         landing: Landing | None = None
         with self.staging("decode.stage"), self.phases("stage"):
             if mode == "pool":
@@ -280,7 +280,7 @@ class GraphEngine(Engine):
                 self._stage_sglang(reqs, bs, rows)
         ok = False
         # The pool's exchange stays open across the replay: the tokens come back into the
-        # same slot under the same fence (StaticStage.readback). A failure closes it still.
+        # same slot under the same fence (Stage.readback). A failure closes it still.
         try:
             for r in reqs:
                 r.seq_len += 1
@@ -309,11 +309,12 @@ class GraphEngine(Engine):
             if exchange is not None:
                 exchange.close(ok=ok)
 
-    def _stage_pool(self, reqs: list[Request], bs: int, rows: int) -> tuple[StaticStage, Landing | None]:
+    def _stage_pool(self, reqs: list[Request], bs: int, rows: int) -> tuple[Stage, Landing | None]:
         """Open this step's exchange and issue its one copy; the caller replays, reads back and closes.
 
         With ``land_tokens`` the copy also carries where each row's token goes in the
-        slot, and the returned ``Landing`` reads them once the exchange has closed.
+        slot (the landing field ``token_dst``, written by the stage when it opens), and the
+        returned ``Landing`` reads them once the exchange has closed.
         """
         block = self.graphs.block
         batch = self._batch
@@ -329,9 +330,9 @@ class GraphEngine(Engine):
             raise
         landing = None
         try:
-            st.put_image(batch.image)  # every field, padding included: one memcpy
+            st.put_image(batch.image)  # every field, padding included: one memcpy (the addresses kept)
             if self.land_tokens:
-                landing = st.land("token_dst")
+                landing = st.landing("token_dst")
             if self.graphs.check_steps:
                 st.put("step", np.full(bs, self.replays + 1, dtype=np.int64))
                 self.expected_positions.append(int(positions[0]))  # sync-ok: numpy on the host, no device
@@ -381,5 +382,5 @@ class GraphEngine(Engine):
             for name in _SAMPLING:
                 views[name][:bs].copy_(self._batch.sampling[name])
             if bs < rows:
-                for f in self.graphs.block.fields:
+                for f in self.graphs.block.layout.fields:
                     views[f.name][bs:].fill_(f.pad)

@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from memcache import ReqToTokenPool, TokenToKVPoolAllocator, allocate_extend, write_cache_indices
-from pinpool import PinnedRingBuffer, PoolSettings, Stage
+from pinpool import Field, Layout, PinnedRingBuffer, PoolSettings, Stage
 from pinpool.bench.engine.baseline import PerFieldSamplingInfo, write_cache_per_field
 from pinpool.bench.engine.model import KVCache, ModelConfig, SleepModel, TinyDecoder
 from pinpool.bench.engine.readback import Pending, TokenReader
@@ -87,6 +87,16 @@ class Engine:
         )
         #: The decode step's tokens land in its slot (the pool passed its platform check).
         self.land_tokens = landing and self.pool.can_land
+        #: pool: the decode step's exchange, declared once: rows and positions up, and (landing)
+        #: where the sampler stores each row's token in the same slot.
+        self.step_layout = Layout(
+            [
+                Field("rows", torch.int64),
+                Field("positions", torch.int64),
+                *([Field.landing("tokens")] if self.land_tokens else []),
+            ],
+            cfg.max_running,
+        )
         if self.zero_copy and not self.pool.platform.zero_copy_ok:
             self.pool.close()
             raise self.pool.platform.refusal(device)  # PlatformError saying why; the copy modes still work
@@ -268,13 +278,16 @@ class Engine:
                 if self.pooled and not self.zero_copy:
                     # One slot for the step, both ways: the metadata up now (one copy, issued
                     # here), the tokens back after the sampler, one fence (stored there by the
-                    # sampler itself, a landing, or else a Stage.readback copy). One call
-                    # opens it all (pool.exchange): each call here runs cold.
-                    exchange = self.pool.exchange(
-                        ((rows, torch.int64), (positions, torch.int64)), land=bs if self.land_tokens else None
-                    )
-                    rows_d, positions_d = exchange.views
-                    land_to, landing = exchange.land_to, exchange.landing
+                    # sampler itself, a landing, or else a Stage.readback copy). The step's
+                    # layout is declared once (``step_layout``): each call here runs cold.
+                    exchange = self.pool.stage(self.step_layout, rows=bs)
+                    exchange.put("rows", rows)
+                    exchange.put("positions", positions)
+                    exchange.flush()
+                    views = exchange.views
+                    rows_d, positions_d = views["rows"], views["positions"]
+                    if self.land_tokens:
+                        land_to, landing = views["tokens"], exchange.landing("tokens")
                 elif self.pooled:
                     # pool-zc: a zero-copy stage, so flush() issues nothing and the kernels
                     # _launch_decode queues (the req_to_token write, the forward, the sampler)

@@ -1,6 +1,6 @@
-"""``StaticInputs``: graph-static device inputs, one owned-stage copy per step, reader streams guarded.
+"""``DeviceBlock``: a layout's fixed device home for CUDA graphs, one copy per step, reader streams guarded.
 
-Three parts:
+Four parts:
 - the layout (aligned offsets, fixed addresses, one allocation) and a round trip on the
   plain CPU path (``device="cpu"``, no transport): what lands, and exactly one copy;
 - the errors: typed, raised before anything is claimed or with the stage aborted, so the
@@ -9,11 +9,16 @@ Three parts:
   per seed (the stage's stream passed or current, the current stream and device changed,
   one or two registered replay streams, random lag and frozen bursts, aborted steps, plain
   ring stages in between) must read every step's own values. The controls plant the bugs
-  the reader guard exists for and must be caught in a fixed share of the same seeds.
+  the reader guard exists for and must be caught in a fixed share of the same seeds;
+- landing fields (``Field.landing``): the stage writes the live rows' addresses when it
+  opens, and its slot fence follows the registered readers whose replay stores through
+  them (with its control).
 
-Four defects these tests found are fixed and stay covered: a refused put that rewrote the
-field, an unhashable dtype leaking TypeError, no hand-off between stage streams, and a
-reader registered after a step not ordered after its copy.
+Defects these tests found are fixed and stay covered: a refused put that rewrote the
+field (found again in the new core's list path), an unhashable dtype leaking TypeError, no
+hand-off between stage streams, a reader registered after a step not ordered after its
+copy, and (new core) a bad ``live`` that claimed a slot before it was refused and a
+``rows`` of 4.0 or True taken from the layout's plan cache.
 """
 
 from __future__ import annotations
@@ -27,27 +32,29 @@ import pytest
 import torch
 
 from pinpool import (
+    DeviceBlock,
     DeviceMismatchError,
+    Field,
+    Layout,
     PinnedRingBuffer,
     PoolSettings,
     PoolStateError,
     SettingsError,
+    Stage,
     StagingValueError,
-    StaticField,
-    StaticInputs,
-    StaticStage,
 )
 from pinpool.encode import NUMPY_DTYPE
-from pinpool.static_inputs import FIELD_ALIGN
+from pinpool.landing import land
+from pinpool.layout import FIELD_ALIGN, LANDING_TAG
 from pinpool.testing import LaggingGpu, SimStream
 
 FIELDS = (
-    StaticField("step", torch.int64, pad=-1),
-    StaticField("positions", torch.int32, pad=0),
-    StaticField("temps", torch.float32, pad=1.0),
-    StaticField("mask", torch.bool, pad=False),
-    StaticField("small", torch.int16, pad=7),
-    StaticField("raw", torch.uint8, pad=255),
+    Field("step", torch.int64, pad=-1),
+    Field("positions", torch.int32, pad=0),
+    Field("temps", torch.float32, pad=1.0),
+    Field("mask", torch.bool, pad=False),
+    Field("small", torch.int16, pad=7),
+    Field("raw", torch.uint8, pad=255),
 )
 MAX_ROWS = 16
 SIZES = (1, 3, 8, 13, 16)  # the graph sizes: odd ones make the 16-byte padding between fields matter
@@ -69,10 +76,10 @@ def values_for(rng: random.Random, step: int, live: int) -> Values:
     }
 
 
-def padded(block: StaticInputs, rows: int, values: Values) -> Values:
+def padded(block: DeviceBlock, rows: int, values: Values) -> Values:
     """What ``block.views(rows)`` must hold after the step: the live values, then each field's pad."""
     out = {}
-    for f in block.fields:
+    for f in block.layout.fields:
         arr = np.full(rows, f.pad, dtype=NUMPY_DTYPE[f.dtype])
         live = values[f.name]
         arr[: len(live)] = live
@@ -80,7 +87,7 @@ def padded(block: StaticInputs, rows: int, values: Values) -> Values:
     return out
 
 
-def write_values(st: StaticStage, values: Values, rng: random.Random, skip: str | None = None) -> None:
+def write_values(st: Stage, values: Values, rng: random.Random, skip: str | None = None) -> None:
     """Write every field (but ``skip``) by a random route: list, numpy (exact or wider dtype), tensor, in place."""
     for name, arr in values.items():
         if name == skip:
@@ -99,7 +106,7 @@ def write_values(st: StaticStage, values: Values, rng: random.Random, skip: str 
             st.host(name)[:] = arr
 
 
-def block_values(block: StaticInputs, rows: int) -> dict[str, list[Any]]:
+def block_values(block: DeviceBlock, rows: int) -> dict[str, list[Any]]:
     return {name: view.tolist() for name, view in block.views(rows).items()}
 
 
@@ -107,12 +114,12 @@ def as_lists(values: Values) -> dict[str, list[Any]]:
     return {name: arr.tolist() for name, arr in values.items()}
 
 
-def cpu_block(num_slots: int = 2, max_rows: int = MAX_ROWS) -> tuple[PinnedRingBuffer, StaticInputs]:
+def cpu_block(num_slots: int = 2, max_rows: int = MAX_ROWS) -> tuple[PinnedRingBuffer, DeviceBlock]:
     pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=num_slots, slot_bytes=SLOT_BYTES))
-    return pool, StaticInputs(pool, FIELDS, max_rows=max_rows)
+    return pool, DeviceBlock(pool, Layout(FIELDS, max_rows))
 
 
-def one_step(block: StaticInputs, rows: int, live: int, seed: int) -> Values:
+def one_step(block: DeviceBlock, rows: int, live: int, seed: int) -> Values:
     """A complete step on ``block``; returns what its views must hold."""
     rng = random.Random(seed)
     values = values_for(rng, seed, live)
@@ -127,16 +134,16 @@ def test_offsets_are_aligned_and_fields_do_not_overlap() -> None:
     _, block = cpu_block()
     itemsizes = [torch.empty((), dtype=f.dtype).element_size() for f in FIELDS]
     for rows in range(1, MAX_ROWS + 1):
-        offsets = block.offsets(rows)
+        offsets = block.layout.plan(rows).offsets
         assert len(offsets) == len(FIELDS) and offsets[0] == 0
         assert all(off % FIELD_ALIGN == 0 for off in offsets), offsets
         ends = [off + rows * size for off, size in zip(offsets, itemsizes, strict=True)]
         assert all(end <= nxt for end, nxt in zip(ends, offsets[1:], strict=False)), (offsets, ends)
         gaps = [nxt - end for end, nxt in zip(ends, offsets[1:], strict=False)]
         assert all(gap < FIELD_ALIGN for gap in gaps), f"more padding than alignment needs: {gaps}"
-        assert block.nbytes(rows) == ends[-1]
-        assert block.nbytes(rows) <= block.device_block.numel()
-    assert block.device_block.numel() == block.nbytes(MAX_ROWS)
+        assert block.layout.nbytes(rows) == ends[-1]
+        assert block.layout.nbytes(rows) <= block.device_block.numel()
+    assert block.device_block.numel() == block.layout.nbytes(MAX_ROWS)
     assert block.device_block.dtype == torch.uint8 and block.device_block.dim() == 1
 
 
@@ -149,7 +156,7 @@ def test_views_are_the_same_tensors_every_call_and_live_in_one_allocation() -> N
         first = block.views(rows)
         again = block.views(rows)
         assert list(first) == [f.name for f in FIELDS]
-        for f, off in zip(FIELDS, block.offsets(rows), strict=True):
+        for f, off in zip(FIELDS, block.layout.plan(rows).offsets, strict=True):
             view = first[f.name]
             assert again[f.name] is view
             assert view.data_ptr() == again[f.name].data_ptr() == base + off
@@ -174,8 +181,9 @@ def test_a_step_lands_live_rows_and_padding_with_exactly_one_copy(rows: int) -> 
         after = pool.stats()
         assert block_values(block, rows) == as_lists(want)
         assert after.copies - before.copies == 1
-        assert after.bytes_copied - before.bytes_copied == block.nbytes(rows)
-        assert after.owned_stages - before.owned_stages == 1
+        assert after.bytes_copied - before.bytes_copied == block.layout.nbytes(rows)
+        assert after.stages - before.stages == 1  # a block stage: neither owned nor in place
+        assert (after.owned_stages, after.zero_copy_stages) == (before.owned_stages, before.zero_copy_stages)
         assert after.aborted_stages == before.aborted_stages
 
 
@@ -205,7 +213,7 @@ def test_stage_exposes_its_stream_and_an_unregistered_cpu_block_has_no_readers()
 
 
 # -- errors: typed, and nothing half-done ---------------------------------------------------
-def _assert_untouched(pool: PinnedRingBuffer, block: StaticInputs, rows: int, want: Values, copies: int) -> None:
+def _assert_untouched(pool: PinnedRingBuffer, block: DeviceBlock, rows: int, want: Values, copies: int) -> None:
     assert block_values(block, rows) == as_lists(want), "the block changed: a copy ran after the error"
     assert pool.stats().copies == copies
     # Not stuck half-open: the next step works and makes its one copy.
@@ -216,7 +224,7 @@ def _assert_untouched(pool: PinnedRingBuffer, block: StaticInputs, rows: int, wa
 
 @pytest.mark.parametrize(
     ("rows", "live"),
-    [(0, 0), (MAX_ROWS + 1, 1), (True, 1), (4.0, 1), ("4", 1), (4, -1), (4, 5), (4, True), (4, 2.0), (4, None)],
+    [(-1, 0), (MAX_ROWS + 1, 1), (True, 1), (4.0, 1), ("4", 1), (4, -1), (4, 5), (4, True), (4, 2.0), (4, "3")],
 )
 def test_bad_rows_or_live_raise_before_anything_is_claimed(rows: Any, live: Any) -> None:
     """Catches a stage opened (a slot claimed, the block marked open) for sizes it cannot hold."""
@@ -229,23 +237,28 @@ def test_bad_rows_or_live_raise_before_anything_is_claimed(rows: Any, live: Any)
     _assert_untouched(pool, block, 4, want, copies)
 
 
-@pytest.mark.parametrize("rows", [0, MAX_ROWS + 1, True, 2.0])
+@pytest.mark.parametrize("rows", [-1, MAX_ROWS + 1, True, 4.0, 2.0])
 def test_views_of_a_size_outside_the_block_are_refused(rows: Any) -> None:
-    """Catches a view past the allocation (a graph reading another buffer's bytes)."""
+    """Catches a view past the allocation (a graph reading another buffer's bytes), or a size that is no
+    int let through (or not) by whichever sizes were viewed before (4.0 and True hash as 4 and 1)."""
     _, block = cpu_block()
+    with pytest.raises(StagingValueError, match="'rows'"):
+        block.views(rows)
+    for size in range(1, MAX_ROWS + 1):
+        block.views(size)
     with pytest.raises(StagingValueError, match="'rows'"):
         block.views(rows)
 
 
-BadPut = Callable[[StaticStage], object]
+BadPut = Callable[[Stage], object]
 BAD_PUTS: list[Any] = [
-    pytest.param(lambda st: st.put("nope", [1, 2, 3]), "declared static field", id="unknown-field-put"),
-    pytest.param(lambda st: st.host("nope"), "declared static field", id="unknown-field-host"),
-    pytest.param(lambda st: st.put("positions", [1, 2]), "live=3", id="too-few-values"),
-    pytest.param(lambda st: st.put("positions", [1, 2, 3, 4]), "live=3", id="too-many-values"),
-    pytest.param(lambda st: st.put("positions", np.zeros(4, np.int32)), "live=3", id="numpy-wrong-length"),
-    pytest.param(lambda st: st.put("positions", np.zeros((3, 1), np.int32)), "live=3", id="numpy-2d"),
-    pytest.param(lambda st: st.put("positions", 5), "live=3", id="scalar"),
+    pytest.param(lambda st: st.put("nope", [1, 2, 3]), "declared field", id="unknown-field-put"),
+    pytest.param(lambda st: st.host("nope"), "declared field", id="unknown-field-host"),
+    pytest.param(lambda st: st.put("positions", [1, 2]), "hold 3 values", id="too-few-values"),
+    pytest.param(lambda st: st.put("positions", [1, 2, 3, 4]), "hold 3 values", id="too-many-values"),
+    pytest.param(lambda st: st.put("positions", np.zeros(4, np.int32)), "hold 3 values", id="numpy-wrong-length"),
+    pytest.param(lambda st: st.put("positions", np.zeros((3, 2), np.int32)), "hold 3 values", id="numpy-2d"),
+    pytest.param(lambda st: st.put("positions", 5), "hold 3 values", id="scalar"),
     pytest.param(lambda st: st.put("positions", [1, 2**40, 3]), "int32", id="2**40-into-int32"),
     pytest.param(lambda st: st.put("positions", np.array([1, 2**40, 3])), "int32", id="2**40-array-into-int32"),
     pytest.param(lambda st: st.put("step", [1, 1.5, 2]), "whole numbers", id="1.5-into-int64"),
@@ -325,7 +338,7 @@ def test_a_second_stage_while_one_is_open_is_refused_and_the_first_still_lands()
     values = values_for(rng, 5, 6)
     st = block.stage(8, 6)
     claims, copies = pool.claims, pool.stats().copies
-    with pytest.raises(PoolStateError, match="already open"):
+    with pytest.raises(PoolStateError, match="inside open stage"):
         block.stage(8, 6)
     with pytest.raises(PoolStateError, match="inside open stage"):
         pool.stage()  # a plain ring stage cannot open under it either
@@ -348,17 +361,17 @@ def test_a_block_stage_under_an_open_ring_stage_is_refused_and_leaves_the_block_
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.complex64, "int32", np.int32, None, 4])
-def test_a_static_field_of_a_dtype_without_a_numpy_twin_is_refused(dtype: Any) -> None:
+def test_a_field_of_a_dtype_without_a_numpy_twin_is_refused(dtype: Any) -> None:
     """Catches a field whose host view cannot be written (bfloat16, complex) or a dtype given by name."""
     with pytest.raises(SettingsError, match="'dtype'"):
-        StaticField("x", dtype)
+        Field("x", dtype)
 
 
 @pytest.mark.parametrize("name", ["", "a b", "1x", "x-y", 3, None, b"x"])
-def test_a_static_field_name_must_be_an_identifier(name: Any) -> None:
+def test_a_field_name_must_be_an_identifier(name: Any) -> None:
     """Catches names that cannot be looked up reliably (empty, spaced, non-strings)."""
     with pytest.raises(SettingsError, match="'name'"):
-        StaticField(name, torch.int32)
+        Field(name, torch.int32)
 
 
 @pytest.mark.parametrize(
@@ -377,20 +390,19 @@ def test_a_static_field_name_must_be_an_identifier(name: Any) -> None:
 )
 def test_a_pad_the_dtype_cannot_hold_is_refused_at_construction(dtype: torch.dtype, pad: Any) -> None:
     """Catches a pad that would be written wrapped or truncated on every step's close."""
-    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=SLOT_BYTES))
     with pytest.raises(SettingsError, match="'pad'"):
-        StaticInputs(pool, [StaticField("ok", torch.int64), StaticField("x", dtype, pad=pad)], max_rows=4)
+        Layout([Field("ok", torch.int64), Field("x", dtype, pad=pad)], 4)
 
 
 def test_max_rows_that_does_not_fit_a_slot_is_refused() -> None:
     """Catches a block whose largest step would overflow its ring slot (a CapacityError every step)."""
     pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=SLOT_BYTES))
-    small = StaticInputs(pool, FIELDS, max_rows=1)
-    fits = max(r for r in range(1, 200) if small.nbytes(r) <= SLOT_BYTES)
-    assert small.nbytes(fits + 1) > SLOT_BYTES
-    StaticInputs(pool, FIELDS, max_rows=fits)
-    with pytest.raises(SettingsError, match=r"'max_rows'.*slot_bytes"):
-        StaticInputs(pool, FIELDS, max_rows=fits + 1)
+    wide = Layout(FIELDS, 200)
+    fits = max(r for r in range(1, 200) if wide.nbytes(r) <= SLOT_BYTES)
+    assert wide.nbytes(fits + 1) > SLOT_BYTES
+    DeviceBlock(pool, Layout(FIELDS, fits))
+    with pytest.raises(SettingsError, match=r"'layout' of \d+ rows.*slot_bytes or lower max_rows"):
+        DeviceBlock(pool, Layout(FIELDS, fits + 1))
 
 
 @pytest.mark.parametrize(
@@ -401,14 +413,21 @@ def test_max_rows_that_does_not_fit_a_slot_is_refused() -> None:
         (FIELDS, 2.0, "'max_rows'"),
         ((), 4, "'fields'"),
         ((FIELDS[0], "temps"), 4, "'fields'"),
-        ((FIELDS[0], StaticField("step", torch.int32)), 4, "unique"),
+        ((FIELDS[0], Field("step", torch.int32)), 4, "unique"),
     ],
 )
-def test_bad_block_settings_are_refused(fields: Any, max_rows: Any, match: str) -> None:
-    """Catches a block built from settings it cannot serve."""
-    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=SLOT_BYTES))
+def test_bad_layout_settings_are_refused(fields: Any, max_rows: Any, match: str) -> None:
+    """Catches a layout (so a block) built from settings it cannot serve."""
     with pytest.raises(SettingsError, match=match):
-        StaticInputs(pool, fields, max_rows=max_rows)
+        Layout(fields, max_rows)
+
+
+@pytest.mark.parametrize("layout", [FIELDS, list(FIELDS), None, "layout"])
+def test_a_block_of_anything_but_a_layout_is_refused(layout: Any) -> None:
+    """Catches a block built from bare fields (the old ``StaticInputs(pool, fields, max_rows)`` call) or junk."""
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=SLOT_BYTES))
+    with pytest.raises(SettingsError, match=r"'layout' must be a pinpool\.Layout"):
+        DeviceBlock(pool, layout)
 
 
 def test_a_stream_on_the_cpu_path_is_refused() -> None:
@@ -423,7 +442,7 @@ def test_a_stream_on_the_cpu_path_is_refused() -> None:
 
 # Defects these tests found (fixed): each stays covered here.
 def test_a_refused_put_leaves_the_fields_earlier_values() -> None:
-    """Catches a put that raises yet rewrote the field: "exactly or not at all" broken for StaticStage."""
+    """Catches a put that raises yet rewrote the field: "exactly or not at all" broken for Stage."""
     _, block = cpu_block()
     with block.stage(4, 3) as st:
         rng = random.Random(7)
@@ -437,7 +456,7 @@ def test_a_refused_put_leaves_the_fields_earlier_values() -> None:
 def test_an_unhashable_dtype_is_refused_as_a_settings_error() -> None:
     """Catches the dtype check leaking Python's TypeError from the dict lookup."""
     with pytest.raises(SettingsError, match="'dtype'"):
-        StaticField("x", [torch.int32])  # type: ignore[arg-type]
+        Field("x", [torch.int32])  # type: ignore[arg-type]
 
 
 # -- the stream rules against the simulator ---------------------------------------------
@@ -445,7 +464,7 @@ class Abort(Exception):
     pass
 
 
-class UnregisteredReaders(StaticInputs):
+class UnregisteredReaders(DeviceBlock):
     """Planted bug: ``register_reader`` does nothing, so replays on other streams are not ordered at all."""
 
     def register_reader(self, stream: Any) -> None:
@@ -466,15 +485,15 @@ class _DropWaits:
         return getattr(self._inner, name)
 
 
-class NoWaitBeforeCopy(StaticInputs):
+class NoWaitBeforeCopy(DeviceBlock):
     """Planted bug: the copy does not wait for the readers' queued replays (the next step overwrites a pending read)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._transport = _DropWaits(self._transport, lambda fence: any(fence is f for f in self._read_fences))
+        self._transport = _DropWaits(self._transport, lambda fence: any(fence is f for _, f in self._readers))
 
 
-class NoWaitAfterCopy(StaticInputs):
+class NoWaitAfterCopy(DeviceBlock):
     """Planted bug: the readers do not wait for the copy (a replay reads before the step has landed)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -482,7 +501,7 @@ class NoWaitAfterCopy(StaticInputs):
         self._transport = _DropWaits(self._transport, lambda fence: fence is self._landed)
 
 
-def run_plan(seed: int, block_type: type[StaticInputs] = StaticInputs, steps: int = 30) -> tuple[LaggingGpu, bool]:
+def run_plan(seed: int, block_type: type[DeviceBlock] = DeviceBlock, steps: int = 30) -> tuple[LaggingGpu, bool]:
     """One random plan of staged steps and replays: the simulator (it records every wrong read) and
     whether the block ends on the last landed step's values."""
     rng = random.Random(seed)
@@ -494,7 +513,7 @@ def run_plan(seed: int, block_type: type[StaticInputs] = StaticInputs, steps: in
         PoolSettings(device="cpu", num_slots=rng.randint(2, 5), slot_bytes=SLOT_BYTES), transport=gpu
     )
     gpu.set_current(rng.choice(streams))  # the block's allocation stream: any of them
-    block = block_type(pool, FIELDS, max_rows=MAX_ROWS)
+    block = block_type(pool, Layout(FIELDS, MAX_ROWS))
     # One or two replay streams, registered before the first step (late registration has its own test below).
     readers = rng.sample(streams, rng.randint(1, 2))
     for reader in readers:
@@ -555,7 +574,7 @@ def test_any_mix_of_stage_streams_and_registered_replay_streams_reads_every_step
         assert gpu.errors == [], gpu.errors[:3]  # nothing queued on the other device's streams
 
 
-def _caught(block_type: type[StaticInputs]) -> int:
+def _caught(block_type: type[DeviceBlock]) -> int:
     return sum(bool(run_plan(seed, block_type)[0].mismatches) for seed in PLAN_SEEDS)
 
 
@@ -568,7 +587,7 @@ def _caught(block_type: type[StaticInputs]) -> int:
     ],
 )
 def test_control_the_same_plans_without_the_reader_guard_read_wrong_steps(
-    planted: type[StaticInputs], least: float
+    planted: type[DeviceBlock], least: float
 ) -> None:
     """Catches a property test too weak to see the guard: with each half of it planted away, it must fail."""
     caught = _caught(planted)
@@ -577,14 +596,14 @@ def test_control_the_same_plans_without_the_reader_guard_read_wrong_steps(
 
 
 def _sim_block(
-    max_lag: int = 0, seed: int = 0, num_slots: int = 2, block_type: type[StaticInputs] = StaticInputs
-) -> tuple[LaggingGpu, PinnedRingBuffer, StaticInputs]:
+    max_lag: int = 0, seed: int = 0, num_slots: int = 2, block_type: type[DeviceBlock] = DeviceBlock
+) -> tuple[LaggingGpu, PinnedRingBuffer, DeviceBlock]:
     gpu = LaggingGpu(max_lag=max_lag, seed=seed, devices=2)
     pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=num_slots, slot_bytes=SLOT_BYTES), transport=gpu)
-    return gpu, pool, block_type(pool, FIELDS, max_rows=MAX_ROWS)
+    return gpu, pool, block_type(pool, Layout(FIELDS, MAX_ROWS))
 
 
-def _sim_step(block: StaticInputs, rows: int, live: int, seed: int, stream: SimStream | None) -> Values:
+def _sim_step(block: DeviceBlock, rows: int, live: int, seed: int, stream: SimStream | None) -> Values:
     rng = random.Random(seed)
     values = values_for(rng, seed, live)
     with block.stage(rows, live, stream=stream) as st:
@@ -658,7 +677,7 @@ def test_register_reader_none_takes_the_pool_devices_current_stream_whatever_dev
     assert gpu.errors == []
 
 
-class ForgetsTheAllocationStream(StaticInputs):
+class ForgetsTheAllocationStream(DeviceBlock):
     """Planted bug: the first copy does not wait for the stream the block was allocated on."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -666,7 +685,7 @@ class ForgetsTheAllocationStream(StaticInputs):
         self._transport = _DropWaits(self._transport, lambda fence: fence is self._writer_fence)
 
 
-def _allocation_plan(seed: int, block_type: type[StaticInputs]) -> tuple[LaggingGpu, StaticInputs, Values]:
+def _allocation_plan(seed: int, block_type: type[DeviceBlock]) -> tuple[LaggingGpu, DeviceBlock, Values]:
     rng = random.Random(seed)
     gpu = LaggingGpu(max_lag=rng.randint(0, 10), seed=seed, devices=2)
     a, b = gpu.new_stream("A"), gpu.new_stream("B")
@@ -677,7 +696,7 @@ def _allocation_plan(seed: int, block_type: type[StaticInputs]) -> tuple[Lagging
     gpu.drain()
     gpu.set_current(a)
     gpu.frozen = True  # A's queued work stays queued
-    block = block_type(pool, FIELDS, max_rows=MAX_ROWS)  # allocated while A is current
+    block = block_type(pool, Layout(FIELDS, MAX_ROWS))  # allocated while A is current
     # The memory's previous owner: work queued on A that still writes these bytes.
     gpu.enqueue_write(block.device_block, torch.full_like(block.device_block, 0x5A), a)
     rows = rng.choice(SIZES)
@@ -692,7 +711,7 @@ def _allocation_plan(seed: int, block_type: type[StaticInputs]) -> tuple[Lagging
 def test_the_first_copy_on_another_stream_waits_for_the_allocation_streams_queued_work() -> None:
     """Catches a first copy that lands before work queued on the block's allocation stream (then overwritten)."""
     for seed in range(40):
-        gpu, block, want = _allocation_plan(seed, StaticInputs)
+        gpu, block, want = _allocation_plan(seed, DeviceBlock)
         assert gpu.mismatches == [], gpu.mismatches[:3]
         assert block_values(block, len(want["step"])) == as_lists(want)
 
@@ -763,7 +782,7 @@ def test_readers_are_a_tuple_in_registration_order_without_duplicates() -> None:
     assert isinstance(block.views(4), Mapping)
 
 
-# -- host images and the exchange (flush, read-back into the same slot) ------------------
+# -- host images, and a flushed stage reading back into its own slot ---------------------
 def test_a_host_image_lands_every_field_and_its_padding_in_one_memcpy() -> None:
     """Catches an image whose padding or live rows differ from what puts would have landed."""
     pool, block = cpu_block()
@@ -783,7 +802,7 @@ def test_a_host_image_lands_every_field_and_its_padding_in_one_memcpy() -> None:
 def test_an_image_of_another_shape_or_block_is_refused_and_nothing_lands() -> None:
     """Catches put_image copying an image laid out for another (rows, live) or block."""
     pool, block = cpu_block()
-    other = StaticInputs(pool, FIELDS, max_rows=MAX_ROWS)
+    other = DeviceBlock(pool, Layout(FIELDS, MAX_ROWS))
     before = one_step(block, 8, 5, seed=1)
     for image in (block.host_image(8, 4), block.host_image(4, 4), other.host_image(8, 5)):
         copies = pool.stats().copies
@@ -793,7 +812,7 @@ def test_an_image_of_another_shape_or_block_is_refused_and_nothing_lands() -> No
         assert block_values(block, 8) == as_lists(before)
 
 
-def test_an_exchange_reads_back_into_its_own_slot_under_one_claim() -> None:
+def test_a_flushed_stage_reads_back_into_its_own_slot_under_one_claim() -> None:
     """Catches a read-back that claims a second slot, lands before the copy, or lets a write follow flush."""
     pool, block = cpu_block(num_slots=3)
     src = torch.arange(5, dtype=torch.int64) * 7
@@ -814,7 +833,7 @@ def test_an_exchange_reads_back_into_its_own_slot_under_one_claim() -> None:
     assert block_values(block, 8) == as_lists(padded(block, 8, values))
 
 
-def test_an_exchange_on_the_simulator_reads_back_what_its_replay_wrote() -> None:
+def test_a_flushed_stage_on_the_simulator_reads_back_what_its_replay_wrote() -> None:
     """Catches a read-back queued before the replay's output, or a copy that lands after the replay read it."""
     for seed in range(30):
         gpu, _, block = _sim_block(max_lag=random.Random(seed).randint(0, 12), seed=seed, num_slots=3)
@@ -837,3 +856,114 @@ def test_an_exchange_on_the_simulator_reads_back_what_its_replay_wrote() -> None
                 assert handle.tolist() == [done * 3 + 1] * 8, f"seed {seed} step {done}"
         gpu.drain()
         assert not gpu.mismatches and not gpu.races and not gpu.errors, (seed, gpu.mismatches[:2])
+
+
+# -- landing fields: the replay stores its output straight into the step's slot -----------
+def _landing_pool(gpu: LaggingGpu, num_slots: int = 2) -> PinnedRingBuffer:
+    settings = PoolSettings(device="cpu", num_slots=num_slots, slot_bytes=SLOT_BYTES, zero_copy=True)
+    return PinnedRingBuffer(settings, transport=gpu)
+
+
+def _landing_layout(dtype: torch.dtype = torch.int64) -> Layout:
+    return Layout([Field("step", torch.int64, pad=-1), Field.landing("token_dst", dtype)], 8)
+
+
+def _stores(tokens: torch.Tensor, addresses: torch.Tensor) -> Callable[[], None]:
+    """A "kernel" that stores ``tokens`` through the landing addresses in ``addresses`` when it runs."""
+    return lambda: land(tokens, addresses)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32])
+def test_a_landing_field_holds_this_steps_live_row_addresses_and_zero_on_padding(dtype: torch.dtype) -> None:
+    """Catches a landing field not written when the stage opens (the replay would store through an older
+    step's addresses), a padding row with an address (a store into bytes nobody reads), an address outside
+    the stage's slot or without its dtype's tag, a landing field the caller may overwrite, or a handle
+    that reads other bytes than the writer stored into."""
+    gpu = LaggingGpu(max_lag=0, seed=0)  # no lag: each call runs as it is queued
+    pool = _landing_pool(gpu)
+    block = DeviceBlock(pool, _landing_layout(dtype))
+    slab_lo = pool.host_slab.data_ptr()
+    slab_hi = slab_lo + pool.host_slab.numel()
+    for step, (rows, live) in enumerate([(8, 5), (4, 4), (8, 0), (8, 8), (4, 1), (8, 3)]):
+        st = block.stage(rows, live)
+        st.put("step", [step] * live)
+        with pytest.raises(PoolStateError, match="landing"):
+            st.put("token_dst", [0] * live)
+        with pytest.raises(PoolStateError, match="landing"):
+            st.host("token_dst")
+        st.flush()
+        addresses = block.views(rows)["token_dst"]
+        assert {k: v.data_ptr() for k, v in st.views.items()} == {k: v.data_ptr() for k, v in block.views(rows).items()}
+        held = addresses.tolist()
+        assert held[live:] == [0] * (rows - live), f"step {step}: a padding row holds an address"
+        assert all(a & 3 == LANDING_TAG[dtype] and slab_lo <= a - (a & 3) < slab_hi for a in held[:live]), held
+        assert len(set(held[:live])) == live
+        tokens = torch.arange(rows, dtype=torch.int64) + 100 * step
+        gpu.submit(st.stream, _stores(tokens, addresses), "kernel")  # the replay's last kernel
+        st.close()
+        assert st.landing("token_dst").tolist() == tokens[:live].tolist(), f"step {step}"
+        assert block.views(rows)["step"].tolist() == [step] * live + [-1] * (rows - live)
+    assert gpu.mismatches == [] and gpu.races == [] and gpu.errors == []
+
+
+class LandingFenceIgnoresReaders(DeviceBlock):
+    """Planted bug: a landing stage's fence is recorded at close without following the registered
+    readers (the replay that stores through the addresses); the copy still waits for them."""
+
+    _copying = False
+
+    def before_copy(self, stream: Any) -> None:
+        self._copying = True
+        try:
+            super().before_copy(stream)
+        finally:
+            self._copying = False
+
+    def wait_for_readers(self, stream: Any) -> None:
+        if self._copying:
+            super().wait_for_readers(stream)
+
+
+def _landing_plan(seed: int, block_type: type[DeviceBlock]) -> list[tuple[int, list[Any]]]:
+    """Steps whose replay, on a lagging registered reader, stores the tokens: (step, what the handle read) for
+    each step whose handle read other values than its replay stored."""
+    rng = random.Random(seed)
+    gpu = LaggingGpu(max_lag=rng.randint(0, 10), seed=seed)
+    pool = _landing_pool(gpu, num_slots=rng.randint(2, 4))
+    block = block_type(pool, _landing_layout())
+    stage, replay = gpu.new_stream("stage"), gpu.new_stream("replay")
+    block.register_reader(replay)
+    wrong = []
+    for step in range(12):
+        gpu.frozen = rng.random() < 0.5  # bursts where the device runs only when the host waits
+        rows, live = 8, rng.randint(1, 8)
+        st = block.stage(rows, live, stream=stage)
+        st.put("step", [step] * live)
+        st.flush()
+        for _ in range(rng.randint(0, 40)):  # the forward pass before the replay's last kernel
+            gpu.submit(replay, lambda: None, "kernel")
+        tokens = torch.arange(rows, dtype=torch.int64) + 1000 * (step + 1)
+        gpu.submit(replay, _stores(tokens, block.views(rows)["token_dst"]), "kernel")
+        st.close()
+        got = st.landing("token_dst").tolist()  # read at once: waits for the slot's fence
+        if got != tokens[:live].tolist():
+            wrong.append((step, got[:3]))
+    gpu.frozen = False
+    gpu.drain()
+    assert gpu.errors == [] and gpu.races == []
+    return wrong
+
+
+def test_a_landing_stages_fence_follows_the_blocks_registered_readers() -> None:
+    """Catches a landing whose slot fence is recorded on the stage's stream only: the handle would read
+    (and the ring hand the slot on) before the replay on a registered reader stored the tokens."""
+    for seed in range(30):
+        assert _landing_plan(seed, DeviceBlock) == [], f"seed {seed}"
+
+
+def test_control_a_landing_fence_that_ignores_the_readers_reads_before_the_replay() -> None:
+    """Catches a landing test too weak to see the fence's wait for the readers: with it planted away, the
+    handles must read values the replay had not stored yet."""
+    caught = sum(bool(_landing_plan(seed, LandingFenceIgnoresReaders)) for seed in range(30))
+    print(f"landing fence without the readers: caught in {caught} of 30 seeds")
+    assert caught >= 20, f"caught in only {caught} of 30 seeds"

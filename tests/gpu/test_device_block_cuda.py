@@ -1,4 +1,4 @@
-"""``StaticInputs`` on real CUDA: a captured graph replays from the block every step, on a lagging reader stream.
+"""``DeviceBlock`` on real CUDA: a captured graph replays from the block every step, on a lagging reader stream.
 
 Each graph (one per padded size) reads ``block.views(rows)``, casts every field to float64
 and writes the row into its log at index ``counter``, then adds 1 to ``counter``: row k
@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pinpool import PinnedRingBuffer, PoolSettings, StaticField, StaticInputs
+from pinpool import DeviceBlock, Field, Layout, PinnedRingBuffer, PoolSettings
 from pinpool.encode import NUMPY_DTYPE
 from pinpool.testing import no_sync
 
@@ -33,13 +33,14 @@ LAG = 2_000_000  # about 1 ms of GPU sleep at most per replay: the host stages s
 CONTROL_LAG = 2_000_000  # about 1 ms before every replay in the control: the host stages many steps per replay
 STEPS = 120
 FIELDS = (
-    StaticField("step", torch.int64, pad=-1),  # first, at offset 0 of every layout: row 0 says which step was read
-    StaticField("positions", torch.int32, pad=0),
-    StaticField("temps", torch.float32, pad=1.0),
-    StaticField("mask", torch.bool, pad=False),
-    StaticField("small", torch.int16, pad=7),
+    Field("step", torch.int64, pad=-1),  # first, at offset 0 of every layout: row 0 says which step was read
+    Field("positions", torch.int32, pad=0),
+    Field("temps", torch.float32, pad=1.0),
+    Field("mask", torch.bool, pad=False),
+    Field("small", torch.int16, pad=7),
 )
 MAX_ROWS = 64
+LAYOUT = Layout(FIELDS, MAX_ROWS)
 SIZES = (8, 37, 64)
 
 needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -61,12 +62,14 @@ Values = dict[str, np.ndarray[Any, Any]]
 class Replayer:
     """One captured graph per size: it reads the block's views and logs them at row ``counter``."""
 
-    def __init__(self, block: StaticInputs, device: torch.device, replays: int, sizes: tuple[int, ...]) -> None:
+    def __init__(self, block: DeviceBlock, device: torch.device, replays: int, sizes: tuple[int, ...]) -> None:
         self.device = device
         self.block = block
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
         self.logs = {
-            rows: torch.full((replays, len(block.fields) * rows), float("nan"), dtype=torch.float64, device=device)
+            rows: torch.full(
+                (replays, len(block.layout.fields) * rows), float("nan"), dtype=torch.float64, device=device
+            )
             for rows in sizes
         }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -94,7 +97,7 @@ class Replayer:
 
     def _body(self, rows: int) -> None:
         views = self.block.views(rows)
-        read = torch.cat([views[f.name].to(torch.float64) for f in self.block.fields])
+        read = torch.cat([views[f.name].to(torch.float64) for f in self.block.layout.fields])
         log = self.logs[rows]
         log.index_copy_(0, self.counter.clamp(max=log.shape[0] - 1), read.unsqueeze(0))
         self.counter.add_(1)
@@ -144,9 +147,9 @@ def placed(where: Where) -> Iterator[tuple[torch.device, torch.cuda.Stream, torc
         yield device, replay, stage
 
 
-def make_block(device: torch.device, num_slots: int, readers: list[torch.cuda.Stream]) -> StaticInputs:
+def make_block(device: torch.device, num_slots: int, readers: list[torch.cuda.Stream]) -> DeviceBlock:
     pool = PinnedRingBuffer(PoolSettings(device=device, num_slots=num_slots, slot_bytes=1 << 14))
-    block = StaticInputs(pool, FIELDS, max_rows=MAX_ROWS)
+    block = DeviceBlock(pool, LAYOUT)
     for reader in readers:
         block.register_reader(reader)  # before the first step: every copy is ordered with the replays
     with block.stage(MAX_ROWS, MAX_ROWS) as st:  # a first step, so the warm-up runs read defined values
@@ -157,7 +160,7 @@ def make_block(device: torch.device, num_slots: int, readers: list[torch.cuda.St
 
 
 def run_steps(
-    block: StaticInputs,
+    block: DeviceBlock,
     replayer: Replayer,
     rng: random.Random,
     steps: int,
@@ -203,7 +206,7 @@ def test_every_replay_on_a_lagging_registered_stream_reads_its_own_steps_values(
         later = [(k, read) for k, read in wrong if read > k]
         assert wrong == [], f"{len(wrong)} of {STEPS} replays read another step ({len(later)} a later one): {wrong[:5]}"
         stats = block.pool.stats()
-        assert stats.copies == STEPS + 1 and stats.owned_stages == STEPS + 1
+        assert stats.copies == STEPS + 1 and stats.stages == STEPS + 1
         # The host got num_slots steps ahead of the replays (the copies wait for them): steps were in flight.
         assert stats.stalls > 0, "the replays never lagged the host, so this run shows nothing about the guard"
         block.pool.close()
@@ -233,7 +236,10 @@ def test_a_steady_step_makes_one_host_to_device_copy_and_no_host_sync(where: Whe
         assert not [n for n in names if n.startswith(("cudaMalloc", "cudaHostAlloc", "cudaStreamSynchronize"))]
         assert not [n for n in names if n.startswith("cudaEventSynchronize")]
         mid = block.pool.stats()
-        assert (mid.copies - before.copies, mid.bytes_copied - before.bytes_copied) == (steps, steps * block.nbytes(32))
+        assert (mid.copies - before.copies, mid.bytes_copied - before.bytes_copied) == (
+            steps,
+            steps * block.layout.nbytes(32),
+        )
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -271,12 +277,12 @@ def test_control_without_register_reader_a_lagging_replay_reads_a_later_step(whe
             assert block.pool.stats().stalls == 0
 
 
-# Defects found by the simulator tests (tests/unit/test_static_inputs.py), fixed, shown here on real streams.
+# Defects found by the simulator tests (tests/unit/test_device_block.py), fixed, shown here on real streams.
 # Each is deterministic: a 10 ms sleep holds one copy back.
 HOLD_BACK = 20_000_000
 
 
-def _stage_values(block: StaticInputs, step: int, stream: torch.cuda.Stream) -> np.ndarray[Any, Any]:
+def _stage_values(block: DeviceBlock, step: int, stream: torch.cuda.Stream) -> np.ndarray[Any, Any]:
     values = values_for(random.Random(step), step, 8)
     with block.stage(8, 8, stream=stream) as st:
         for name, arr in values.items():
@@ -284,7 +290,7 @@ def _stage_values(block: StaticInputs, step: int, stream: torch.cuda.Stream) -> 
     return expected_row(8, values)
 
 
-def _block_row(block: StaticInputs) -> np.ndarray[Any, Any]:
+def _block_row(block: DeviceBlock) -> np.ndarray[Any, Any]:
     views = block.views(8)
     return torch.cat([views[f.name].to(torch.float64) for f in FIELDS]).cpu().numpy()
 
@@ -292,7 +298,7 @@ def _block_row(block: StaticInputs) -> np.ndarray[Any, Any]:
 def test_a_step_on_a_new_stage_stream_is_not_overwritten_by_the_previous_steps_late_copy() -> None:
     """Catches a block left on an older step when consecutive steps are staged on different streams."""
     pool = PinnedRingBuffer(PoolSettings(device=torch.device("cuda", 0), num_slots=2, slot_bytes=1 << 14))
-    block = StaticInputs(pool, FIELDS, max_rows=MAX_ROWS)
+    block = DeviceBlock(pool, LAYOUT)
     s1, s2 = torch.cuda.Stream(device=0), torch.cuda.Stream(device=0)
     _stage_values(block, 0, s1)  # slot 0 last used on s1, slot 1 on s2: the ring's own hand-off stays out of it
     _stage_values(block, 1, s2)
@@ -311,7 +317,7 @@ def test_a_step_on_a_new_stage_stream_is_not_overwritten_by_the_previous_steps_l
 def test_a_reader_registered_after_a_step_reads_that_step() -> None:
     """Catches a reader registered between steps (at graph capture, say) that replays before the last copy lands."""
     pool = PinnedRingBuffer(PoolSettings(device=torch.device("cuda", 0), num_slots=2, slot_bytes=1 << 14))
-    block = StaticInputs(pool, FIELDS, max_rows=MAX_ROWS)
+    block = DeviceBlock(pool, LAYOUT)
     stage, replay = torch.cuda.Stream(device=0), torch.cuda.Stream(device=0)
     _stage_values(block, 0, stage)
     torch.cuda.synchronize(0)

@@ -1,4 +1,4 @@
-"""StaticInputs and the ring under faults and misuse (found by review; each failed before its fix):
+"""``DeviceBlock`` and the ring under faults and misuse (found by review; each failed before its fix):
 
 - a copy that raises, a buffer passed once, a read-back after a replay on a reader stream.
 
@@ -16,13 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from pinpool import PinnedRingBuffer, PoolSettings, PoolStateError, StaticField, StaticInputs
+from pinpool import DeviceBlock, Field, Layout, PinnedRingBuffer, PoolSettings, PoolStateError
 from pinpool.testing import LaggingGpu, SimStream
 
-FIELDS = (
-    StaticField("step", torch.int64, pad=-1),
-    StaticField("temps", torch.float32, pad=1.0),
-)
+LAYOUT = Layout([Field("step", torch.int64, pad=-1), Field("temps", torch.float32, pad=1.0)], 8)
 SLOT_BYTES = 1024
 
 
@@ -54,12 +51,12 @@ def test_a_plain_ring_stage_whose_copy_raises_leaves_the_pool_usable() -> None:
         st.put([4], torch.int64)
 
 
-def test_a_static_stage_whose_copy_raises_at_close_leaves_the_pool_usable() -> None:
-    """StaticInputs.finish clears block._open, then issue() raises before st.close(): the pool's
-    stage stays open forever, so every later stage of the pool (and of the block) raises
-    PoolStateError 'stage() called inside open stage'."""
+def test_a_block_stage_whose_copy_raises_at_close_leaves_the_pool_usable() -> None:
+    """Catches a block stage whose copy raises at close leaving the pool's stage open forever (the old
+    ``StaticInputs.finish`` cleared ``block._open``, then ``issue()`` raised before ``st.close()``): every
+    later stage of the pool (and of the block) would raise PoolStateError 'stage() called inside open stage'."""
     gpu, pool = _fault_pool()
-    block = StaticInputs(pool, FIELDS, max_rows=8)
+    block = DeviceBlock(pool, LAYOUT)
     gpu.armed = True
     with pytest.raises(RuntimeError, match="injected"), block.stage(4, 2) as st:
         st.put("step", np.array([1, 1], np.int64))
@@ -76,10 +73,9 @@ def test_a_static_stage_whose_copy_raises_at_close_leaves_the_pool_usable() -> N
 
 
 def test_an_owned_tensor_is_not_kept_alive_by_the_pool_after_its_stage() -> None:
-    """ring.issue_copy caches (owned, owned[:n], host[:n]) for EVERY ``owned=`` stage
-    (st.owned_reused = owned is not None), so the pool holds a strong reference to a caller's
-    buffer after the stage closed: up to CACHE_LIMIT (256) buffers per slot stay allocated for a
-    caller that passes a fresh ``owned=`` tensor per stage (README rule 4)."""
+    """Catches the pool keeping a strong reference to a caller's ``owned=`` buffer after its stage
+    closed (a copy-slice cache keyed by it): up to the cache's limit of buffers per slot would stay
+    allocated for a caller that passes a fresh ``owned=`` tensor per stage (README rule 4)."""
     pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=2, slot_bytes=SLOT_BYTES))
     owned = torch.empty(256, dtype=torch.uint8)
     ref = weakref.ref(owned)
@@ -97,17 +93,16 @@ def _replay_after_backlog(gpu: LaggingGpu, stream: SimStream, out: torch.Tensor,
     gpu.enqueue_write(out, torch.full(out.shape, value, dtype=torch.int64), stream)
 
 
-def test_an_exchange_readback_after_a_replay_on_a_registered_reader_reads_that_replays_output() -> None:
-    """StaticStage.readback copies ``src`` on the stage's stream with no wait for the block's
-    registered readers. With the copy on one stream and the replay on a registered reader (the
-    combination README rule 9 and the exchange paragraph describe; the graph loop's
-    upload_stream="schedule" avoids it only by not using the exchange), the read-back lands
-    before the replay wrote its output: the host reads the previous step's tokens."""
+def test_a_block_readback_after_a_replay_on_a_registered_reader_reads_that_replays_output() -> None:
+    """Catches a block stage's ``readback`` that copies ``src`` on the stage's stream with no wait for
+    the block's registered readers. With the copy on one stream and the replay on a registered reader
+    (put, flush, replay, read back: one slot, one fence), the read-back would land before the replay
+    wrote its output: the host would read the previous step's tokens."""
     wrong = []
     for seed in range(10):
         gpu = LaggingGpu(max_lag=0, seed=seed)
         pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=3, slot_bytes=SLOT_BYTES), transport=gpu)  # type: ignore[arg-type]
-        block = StaticInputs(pool, FIELDS, max_rows=8)
+        block = DeviceBlock(pool, LAYOUT)
         upload, forward = gpu.new_stream("schedule"), gpu.new_stream("forward")
         block.register_reader(forward)
         out = torch.zeros(4, dtype=torch.int64)  # the replay's output, "device" memory
@@ -133,12 +128,12 @@ def test_an_exchange_readback_after_a_replay_on_a_registered_reader_reads_that_r
     [torch.zeros(4, dtype=torch.complex64), torch.zeros(4, 2).t(), torch.zeros(1 << 10, dtype=torch.int64)],
     ids=["dtype", "layout", "too-big"],
 )
-def test_a_refused_static_readback_issues_no_copy_and_leaves_the_step_open(src: torch.Tensor) -> None:
-    """Catches a static read-back that issues the step's copy before checking its source: the
+def test_a_refused_block_readback_issues_no_copy_and_leaves_the_step_open(src: torch.Tensor) -> None:
+    """Catches a block stage's read-back that issues the step's copy before checking its source: the
     refusal would leave the block's copy queued and the step flushed, unable to finish."""
     gpu = LaggingGpu(max_lag=3, seed=5)
     pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=3, slot_bytes=SLOT_BYTES), transport=gpu)
-    block = StaticInputs(pool, FIELDS, max_rows=8)
+    block = DeviceBlock(pool, LAYOUT)
     st = block.stage(4, 2)
     st.put("step", np.array([1, 1], np.int64))
     with pytest.raises((ValueError, RuntimeError)):

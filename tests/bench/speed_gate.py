@@ -1,0 +1,109 @@
+"""The small core's speed gate: the same bench workloads on an earlier tree (``.old``) and on this one.
+
+Run on the device, in one call::
+
+    python3 tests/bench/speed_gate.py run --tree .old --json $LOGS/gate_old.json
+    python3 tests/bench/speed_gate.py run --tree .    --json $LOGS/gate_new.json
+    python3 tests/bench/speed_gate.py compare $LOGS/gate_old.json $LOGS/gate_new.json
+
+``run`` imports the tree's own ``pinpool.bench.cli`` (its workload modules by their names in
+that tree: the reference engine was top-level ``engine`` before it moved under
+``pinpool.bench``) in a fresh process, so the two trees never share a module. ``compare``
+prints new ÷ old for every µs median of every row that both runs have (lower is better),
+and old ÷ new for tokens/s; ``>1.10`` marks a figure past the gate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+#: workload -> its module in the new tree, then in the old one.
+WORKLOADS = {
+    "staging": ("pinpool.bench.staging", "pinpool.bench.staging"),
+    "zero_copy": ("pinpool.bench.zero_copy", "pinpool.bench.zero_copy"),
+    "decode": ("pinpool.bench.engine.bench", "engine.bench"),
+    "decode_graph": ("pinpool.bench.engine.graph_bench", "engine.graph_bench"),
+    "sampling_sglang": ("pinpool.bench.sampling_vs_sglang", "sampling.bench_sglang"),
+    "memcache_sglang": ("pinpool.bench.memcache_vs_sglang", "memcache.bench_sglang"),
+}
+
+
+def run(tree: Path, workloads: list[str], out: Path, repeats: int) -> int:
+    sys.path.insert(0, str(tree.resolve()))
+    cli = importlib.import_module("pinpool.bench.cli")
+    found: dict[str, Any] = {}
+    for name in workloads:
+        for module in WORKLOADS[name]:
+            try:
+                found[name] = importlib.import_module(module).workload
+                break
+            except ModuleNotFoundError:
+                continue
+    cli.registered_workloads = lambda: found
+    cli._workload_names = lambda: sorted(found)
+    args = ["bench", "--workloads", ",".join(found), "--repeats", str(repeats), "--json", str(out)]
+    return int(cli.main(args) or 0)
+
+
+def _median(cell: Any) -> float | None:
+    return cell.get("median") if isinstance(cell, dict) else None
+
+
+def compare(old_path: Path, new_path: Path) -> None:
+    old = {t["title"]: t for t in json.loads(old_path.read_text())["tables"]}
+    new = {t["title"]: t for t in json.loads(new_path.read_text())["tables"]}
+    worst = 0.0
+    for title, table in new.items():
+        if title not in old:
+            continue
+        print(f"== {title}")
+        for row in table["rows"]:
+            key = tuple((c, v) for c, v in row.items() if not isinstance(v, dict))[:2]
+            match = next(
+                (
+                    r
+                    for r in old[title]["rows"]
+                    if tuple((c, v) for c, v in r.items() if not isinstance(v, dict))[:2] == key
+                ),
+                None,
+            )
+            if match is None:
+                continue
+            cells = []
+            for column, value in row.items():
+                a, b = _median(match.get(column)), _median(value)
+                if not a or not b or not ("µs" in column or "tokens/s" in column):
+                    continue
+                ratio = b / a if "µs" in column else a / b
+                worst = max(worst, ratio)
+                cells.append(f"{column} {ratio:.2f}{' >1.10' if ratio > 1.10 else ''}")
+            if cells:
+                print("  " + " ".join(f"{k}={v}" for k, v in key) + ": " + "; ".join(cells))
+    print(f"GATE worst new/old {worst:.2f} (gate 1.10)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--tree", type=Path, required=True)
+    r.add_argument("--json", type=Path, required=True)
+    r.add_argument("--workloads", default="staging,zero_copy,decode,sampling_sglang,memcache_sglang")
+    r.add_argument("--repeats", type=int, default=3)
+    c = sub.add_parser("compare")
+    c.add_argument("old", type=Path)
+    c.add_argument("new", type=Path)
+    args = parser.parse_args()
+    if args.cmd == "run":
+        return run(args.tree, args.workloads.split(","), args.json, args.repeats)
+    compare(args.old, args.new)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
