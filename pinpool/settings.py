@@ -30,6 +30,11 @@ OTHER_ENV = {
     "PINPOOL_GRAPH": "tests/bench/run_on_device.sh",
     "PINPOOL_UNIT": "tests/bench/run_on_device.sh",
     "PINPOOL_BREAKDOWN": "tests/bench/run_on_device.sh",
+    "PINPOOL_GATE": "tests/bench/run_on_device.sh",
+    "PINPOOL_GATE_WORKLOADS": "tests/bench/run_on_device.sh",
+    "PINPOOL_GATE_BOX": "tests/bench/run_on_device.sh",
+    "PINPOOL_GPU_TESTS": "tests/bench/run_on_device.sh",
+    "PINPOOL_GPU_BOX": "tests/bench/run_on_device.sh",
 }
 #: Where a pool's slab and mirror can live: transports exist for these only.
 DEVICE_TYPES = ("cpu", "cuda")
