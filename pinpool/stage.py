@@ -310,16 +310,28 @@ class Stage:
         if type(values) is list and type(dtype) is torch.dtype:
             # A scheduler's per-request list: struct checks each element (ints in range,
             # floats that fit) and packs it straight into the slot.
-            packer = PACKERS.get((dtype, len(values))) or packer_for(dtype, len(values))
+            numel = len(values)
+            packer = PACKERS.get((dtype, numel)) or packer_for(dtype, numel)
             start = self._cursor
-            if packer is not None and start + packer.size <= min(self.capacity, self.tail):
-                mem = self._mem
-                try:
-                    packer.pack_into(mem.host_bytes, mem.host_base + start, *values)
-                except (struct.error, TypeError, OverflowError):
-                    pass  # not exact as struct packs it: the general path converts or raises typed
-                else:
-                    return self._advance(start, dtype, len(values), packer.size)
+            if packer is not None:
+                end = start + packer.size
+                if end <= self.capacity and end <= self.tail:
+                    mem = self._mem
+                    try:
+                        packer.pack_into(mem.host_bytes, mem.host_base + start, *values)
+                    except (struct.error, TypeError, OverflowError):
+                        pass  # not exact as struct packs it: the general path converts or raises typed
+                    else:
+                        # ``_advance`` inline: this is the per-request list of every decode step.
+                        self.used_bytes = end
+                        self._cursor = (end + mem.alignment - 1) & -mem.alignment
+                        if self.placement is OWNED:
+                            return self._owned_view(start, dtype, numel)
+                        key = (self.dst, dtype, start, numel)
+                        cached = mem.views.get(key)
+                        if cached is not None:
+                            return cached
+                        return mem.views.put(key, self.dst.view(dtype)[start // dtype.itemsize :][:numel])
         elif (
             type(values) is np.ndarray
             and values.ndim == 1
@@ -388,23 +400,24 @@ class Stage:
         self._ring._check_can_land()
         if not int_in_range(numel, 0):
             raise StagingValueError(f"'numel' must be an int >= 0 (got {numel!r})")
-        column = landing_column(numel, dtype)  # typed error for a dtype no landing carries
-        tail, cursor, used = self.tail, self._cursor, self.used_bytes
+        if dtype not in LANDING_ITEMSIZE:
+            landing_column(0, dtype)  # raises the typed error for a dtype no landing carries
+        tail, cursor, used, landing_bytes = self.tail, self._cursor, self.used_bytes, self.landing_bytes
         start = self._claim_tail(numel * LANDING_ITEMSIZE[dtype], "landing")
+        handle, column = self._new_landing(start, numel, dtype)
         try:
-            host, addresses = self.reserve(numel, torch.int64, name="landing")
-        except CapacityError:
-            if self._ring.settings.overflow.value != "spill" or self.placement is IN_PLACE:
-                self.tail, self._cursor, self.used_bytes = tail, cursor, used
-                raise
-            # A spilling pool takes the address column through a spilled put, as any put that does not fit.
-            addresses = self.put(column + (self._mem.address + start), torch.int64, name="landing")
-            return addresses, self._new_landing(start, numel, dtype)
+            at = self._cursor
+            if at + len(column) <= min(self.capacity, self.tail):
+                mem = self._mem
+                mem.host_bytes[mem.host_base + at : mem.host_base + at + len(column)] = column
+                addresses = self._advance(at, torch.int64, numel, len(column))
+            else:  # as a put that does not fit: spilled where the pool spills, refused otherwise
+                addresses = self.put(np.frombuffer(column, np.int64), torch.int64, name="landing")
         except BaseException:
-            self.tail, self._cursor, self.used_bytes = tail, cursor, used
+            self.tail, self._cursor, self.used_bytes, self.landing_bytes = tail, cursor, used, landing_bytes
+            self._landings.pop()
             raise
-        np.add(column, self._mem.address + start, out=host)
-        return addresses, self._new_landing(start, numel, dtype)
+        return addresses, handle
 
     def readback(self, src: torch.Tensor) -> Readback:
         """Copy device tensor ``src`` back into this stage's slot, under the slot's fence; flushes first.
@@ -463,8 +476,9 @@ class Stage:
             dtype = layout.fields[i].lands
             assert dtype is not None
             start = self._claim_tail(live * LANDING_ITEMSIZE[dtype], layout.fields[i].name)
-            np.add(landing_column(live, dtype), mem.address + start, out=self._host_views[i][:live])
-            self._new_landing(start, live, dtype)
+            column = self._new_landing(start, live, dtype)[1]
+            at = mem.host_base + plan.offsets[i]
+            mem.host_bytes[at : at + len(column)] = column
         if self.placement is IN_PLACE and live < rows:
             # Read in place from the moment they are handed out: the padding rows are written now.
             for view, pad in zip(self._host_views, layout.pads, strict=True):
@@ -521,18 +535,20 @@ class Stage:
     # -- internals ---------------------------------------------------------------------
     def _advance(self, start: int, dtype: torch.dtype, numel: int, nbytes: int) -> torch.Tensor:
         """Commit a claim of ``nbytes`` at ``start``: its device view, and the cursor past it."""
-        first = start // _ITEMSIZE[dtype]
-        if self.placement is OWNED:
-            usable = self.dst.numel() // _ITEMSIZE[dtype] * _ITEMSIZE[dtype]
-            device: torch.Tensor = self.dst[:usable].view(dtype)[first : first + numel]
-        else:
-            views = self._mem.views
-            key = (id(self.dst), dtype, first, numel)
-            cached = views.get(key)
-            device = cached if cached is not None else views.put(key, self.dst.view(dtype)[first : first + numel])
         end = self.used_bytes = start + nbytes
         self._cursor = align_up(end, self._mem.alignment)
-        return device
+        if self.placement is OWNED:
+            return self._owned_view(start, dtype, numel)
+        # The same claims repeat at the same bytes of a slot every lap: their views are kept.
+        views = self._mem.views
+        key = (self.dst, dtype, start, numel)
+        cached = views.get(key)
+        return cached if cached is not None else views.put(key, self.dst.view(dtype)[start // dtype.itemsize :][:numel])
+
+    def _owned_view(self, start: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """An owned buffer may be another one next time: its views are made, never kept."""
+        usable = self.dst.numel() // dtype.itemsize * dtype.itemsize
+        return self.dst[:usable].view(dtype)[start // dtype.itemsize :][:numel]
 
     def _claim_tail(self, nbytes: int, name: str) -> int:
         align = self._mem.alignment
@@ -545,11 +561,22 @@ class Stage:
         self.tail, self.landing_bytes = start, True
         return start
 
-    def _new_landing(self, start: int, numel: int, dtype: torch.dtype) -> Landing:
-        values = self._mem.host[torch.uint8][start : start + numel * LANDING_ITEMSIZE[dtype]].view(NUMPY_DTYPE[dtype])
-        handle = Landing(self._ring, self.slot, self.generation, self._ring._fence_of(self.slot), values)
+    def _new_landing(self, start: int, numel: int, dtype: torch.dtype) -> tuple[Landing, bytes]:
+        """The handle of ``numel`` landed ``dtype`` values at ``start`` of the slot, and their address column.
+
+        A decode step lands at the same bytes of a slot every lap: the column and the typed
+        view are made once per (start, numel, dtype) and kept with the slot (no numpy call
+        a step, where the first numpy calls after a step's launches run cold).
+        """
+        mem = self._mem
+        key = ("landing", start, numel, dtype)
+        hit = mem.views.get(key)
+        if hit is None:
+            values = mem.host[torch.uint8][start : start + numel * LANDING_ITEMSIZE[dtype]].view(NUMPY_DTYPE[dtype])
+            hit = mem.views.put(key, ((landing_column(numel, dtype) + (mem.address + start)).tobytes(), values))
+        handle = Landing(self._ring, self.slot, self.generation, self._ring._fence_of(self.slot), hit[1])
         self._landings.append(handle)
-        return handle
+        return handle, hit[0]
 
     def _issue(self) -> None:
         """Padding, the block's ordering, the one copy: OPEN -> FLUSHED."""
