@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from pinpool import PoolSettings, SettingsError
-from pinpool.settings import OverflowPolicy
 from pinpool.exceptions import SettingsTypeError, SettingsWarning
-from pinpool.settings import OTHER_ENV
+from pinpool.settings import OTHER_ENV, OverflowPolicy
 
 
 @pytest.mark.parametrize(
