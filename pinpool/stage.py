@@ -542,7 +542,7 @@ class Stage:
         # The same claims repeat at the same bytes of a slot every lap: their views are kept.
         views = self._mem.views
         key = (self.dst, dtype, start, numel)
-        cached = views.get(key)
+        cached: torch.Tensor | None = views.get(key)
         return cached if cached is not None else views.put(key, self.dst.view(dtype)[start // dtype.itemsize :][:numel])
 
     def _owned_view(self, start: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
