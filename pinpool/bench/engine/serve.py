@@ -58,12 +58,12 @@ class ServeRun:
 
     outputs: dict[int, list[int]]
     elapsed: float  # wall seconds from the first iteration's start to the last token read
-    iterations: int
+    iterations: int  # iterations that launched a step (idle ones, waiting for an arrival, left out)
     output_tokens: int
     ttft: list[float]
     tpot: list[float]  # requests with at least two tokens
     itl: list[float]
-    host: list[float]  # per iteration: wall less counted GPU waits
+    host: list[float]  # per launching iteration: wall less counted GPU waits
     phases: dict[str, float]  # host seconds per iteration, by phase (PHASES), means
     gpu_busy: float | None  # device seconds of prefills and replays (CUDA events), None on CPU
 
@@ -196,7 +196,7 @@ class ServeEngine(GraphEngine):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # sync-ok: end of a served trace, after its last token was read
         self.submitted.clear()  # a soak serves thousands of requests: keep none of them here
-        n = len(clock.iteration_start)
+        n = max(1, len(clock.host))
         after = self._phase_totals()
         phases = {k: (after[k] - phases_before[k]) / n for k in PHASES}
         phases["schedule"] = max(0.0, sum(clock.host) / n - sum(phases[k] for k in PHASES[1:]))
@@ -207,7 +207,7 @@ class ServeEngine(GraphEngine):
         return ServeRun(
             outputs={r.rid: r.output for r in reqs},
             elapsed=end - clock.iteration_start[0],
-            iterations=n,
+            iterations=len(clock.host),
             output_tokens=sum(len(r.output) for r in reqs),
             ttft=clock.ttft,
             tpot=clock.tpot,
@@ -232,7 +232,8 @@ class ServeEngine(GraphEngine):
         self._clock.iteration_start.append(start)
         waited = self.gpu_wait_seconds()
         kind = super().step()
-        self._clock.host.append(time.perf_counter() - start - (self.gpu_wait_seconds() - waited))
+        if kind != "idle":  # an idle iteration launches nothing: it is no step of the loop's
+            self._clock.host.append(time.perf_counter() - start - (self.gpu_wait_seconds() - waited))
         return kind
 
     def _prefill(self, reqs: list[Request]) -> Pending:

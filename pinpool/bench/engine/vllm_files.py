@@ -68,7 +68,8 @@ def async_tensor_h2d(
     """vLLM's ``async_tensor_h2d``: a fresh pinned temporary, then a non-blocking copy."""
     if dtype is None and out is not None:
         dtype = out.dtype
-    pin = torch.cuda.is_available() and torch.device(device or (out.device if out is not None else "cpu")).type == "cuda"
+    target = torch.device(device or (out.device if out is not None else "cpu"))
+    pin = torch.cuda.is_available() and target.type == "cuda"
     if isinstance(data, np.ndarray):
         data = torch.from_numpy(data)
     if isinstance(data, torch.Tensor):
