@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from pinpool.bench.engine import Engine, EngineConfig
-from pinpool.bench.engine import vllm_files
+from pinpool.bench.engine import Engine, EngineConfig, vllm_files
 from pinpool.bench.engine.graph_loop import GraphConfig
+from pinpool.bench.engine.requests import Request
 from pinpool.bench.engine.serve import SERVE_MODES, ServeEngine, ServeMode
 from pinpool.bench.engine.serve_bench import CPU_MODEL, workload
 from pinpool.bench.engine.trace import TraceConfig, fresh, make_trace
@@ -24,7 +24,7 @@ ECFG = EngineConfig(max_running=6, max_prefill_tokens=256, kv_slots=6 * CPU_MODE
 PLAIN = GraphConfig(capture=False)
 
 
-def churn(seed: int = 0, n: int = 40, rate: float = 0.8) -> TraceConfig:
+def churn(seed: int = 0, n: int = 28, rate: float = 0.8) -> TraceConfig:
     """Arrivals fast enough that the batch fills to max_running, with outputs of very different lengths."""
     return TraceConfig(
         num_requests=n,
@@ -138,7 +138,7 @@ def _check_device_state(eng: ServeEngine) -> None:
         assert [int(table[r.row]) for r in running] == [r.seq_len for r in running]
 
 
-def _eager_sync(trace: list) -> dict[int, list[int]]:
+def _eager_sync(trace: list[Request]) -> dict[int, list[int]]:
     return Engine(CPU_MODEL, "sync", CPU, ECFG).run(fresh(trace, 0))
 
 
