@@ -11,11 +11,13 @@ Loads (``LOADS``): three arrival rates at 256 running, light to saturating, and 
 1024-running saturating load for the host-bound config (its KV cache is small). On CPU
 every config is replaced by tiny shapes and a short trace (``CPU_MODEL``): the CI smoke.
 
-One table per (config, load), a row per mode. Latencies come from each iteration's host
+One table per (config, load), a row per mode; ``x pool tok/s`` is pool+graph's output
+tok/s over the row's (the summary's headline). Latencies come from each iteration's host
 clock (``engine.serve``); figures are per round, then median (min-max) over rounds that
 interleave the modes, each round on engines built and captured once per config. Columns:
-``host µs/step`` is the median iteration's host time less its counted GPU waits; ``GPU
-idle`` is 1 - (CUDA-event time of prefills and replays) / wall; ``H2D copies/step`` and
+``host µs/step`` is the median launching iteration's host time less its counted GPU
+waits (a host blocked inside a CUDA call, a full launch queue, still counts as host time);
+``GPU idle`` is 1 - (CUDA-event time of prefills and replays) / wall; ``H2D copies/step`` and
 ``H2D bytes/step`` come from a profiled pass in a child process (UVA reads are not copies
 and are not counted). Knobs: ``PINPOOL_SERVE_CONFIGS=host-bound`` runs a subset,
 ``PINPOOL_SERVE_LOADS=light,saturating`` too, ``PINPOOL_SERVE_REQUESTS`` sets requests per
@@ -165,27 +167,43 @@ def _plan(ctx: BenchContext) -> tuple[list[str], list[Load], int]:
 
 def workload(ctx: BenchContext) -> list[Table]:
     configs, loads, requests = _plan(ctx)
-    rounds = max(1, min(ctx.repeats, 5)) if ctx.is_cuda else 1
+    # At least 3 rounds on a GPU, at most 5 (--repeats): each round serves every trace in every mode.
+    rounds = max(3, min(ctx.repeats, 5)) if ctx.is_cuda else 1
     tables = []
     for config in configs:
         model_cfg = CONFIGS[config] if ctx.is_cuda else CPU_MODEL
         model = TinyDecoder(model_cfg, ctx.device)
         for max_running in sorted({ld.max_running for ld in loads if config in ld.configs}):
-            ctx.progress(f"serve {config}: building and capturing {len(SERVE_MODES)} engines at {max_running} running")
-            engines = {m: build(model_cfg, m, ctx.device, max_running, model) for m in SERVE_MODES}
-            warm = make_trace(trace_config(model_cfg, loads[0], 32, seed=99), model_cfg.vocab_size)
-            for engine in engines.values():
-                engine.record_gpu = ctx.is_cuda
-                engine.serve(warm)  # Triton compiles and allocator blocks, outside the timings
-            for load in [ld for ld in loads if ld.max_running == max_running and config in ld.configs]:
-                n = requests * max(1, max_running // 256)
-                trace = make_trace(trace_config(model_cfg, load, n), model_cfg.vocab_size)
-                per_mode = _rounds(ctx, config, load, engines, trace, rounds)
-                counts = _counts(ctx, config, load, min(n, 128))
-                source = engines["vllm"].source_note or ""
-                tables.append(_table(config, load, model_cfg, n, rounds, per_mode, counts, source))
-            del engines
-        del model
+            mine = [ld for ld in loads if ld.max_running == max_running and config in ld.configs]
+            tables += _serve_config(ctx, config, model_cfg, model, max_running, mine, requests, rounds)
+    return tables
+
+
+def _serve_config(
+    ctx: BenchContext,
+    config: str,
+    model_cfg: ModelConfig,
+    model: TinyDecoder,
+    max_running: int,
+    loads: list[Load],
+    requests: int,
+    rounds: int,
+) -> list[Table]:
+    """Every load at one running maximum, on one engine per mode built and captured once (freed on return)."""
+    ctx.progress(f"serve {config}: building and capturing {len(SERVE_MODES)} engines at {max_running} running")
+    engines = {m: build(model_cfg, m, ctx.device, max_running, model) for m in SERVE_MODES}
+    warm = make_trace(trace_config(model_cfg, loads[0], 32, seed=99), model_cfg.vocab_size)
+    for engine in engines.values():
+        engine.record_gpu = ctx.is_cuda
+        engine.serve(warm)  # Triton compiles and allocator blocks, outside the timings
+    tables = []
+    for load in loads:
+        n = requests * max(1, max_running // 256)
+        trace = make_trace(trace_config(model_cfg, load, n), model_cfg.vocab_size)
+        per_mode = _rounds(ctx, config, load, engines, trace, rounds)
+        counts = _counts(ctx, config, load, min(n, 128))
+        source = engines["vllm"].source_note or ""
+        tables.append(_table(config, load, model_cfg, n, rounds, per_mode, counts, source))
     return tables
 
 
@@ -219,6 +237,7 @@ COLUMNS = (
     "mode",
     "output tok/s",
     "request/s",
+    "x pool tok/s",
     "TTFT p50 ms",
     "TTFT p99 ms",
     "TPOT p50 ms",
@@ -229,7 +248,8 @@ COLUMNS = (
     "H2D copies/step",
     "H2D bytes/step",
 )
-_KEYS = ("tok_s", "req_s", "ttft50", "ttft99", "tpot50", "tpot99", "itl99", "host_us")
+_RATES = ("tok_s", "req_s")
+_LATENCIES = ("ttft50", "ttft99", "tpot50", "tpot99", "itl99", "host_us")
 
 
 def _table(
@@ -244,6 +264,8 @@ def _table(
 ) -> Table:
     first = per_mode["pinned"][0]["outputs"]
     same = all(r["outputs"] == first for results in per_mode.values() for r in results)
+    med = {m: {k: statistics.median(r[k] for r in res) for k in ("tok_s", "tpot99")} for m, res in per_mode.items()}
+    pool = med["pool"]
     rows = []
     for mode, results in per_mode.items():
         idle = [r["idle"] for r in results if np.isfinite(r["idle"])]
@@ -251,7 +273,9 @@ def _table(
         rows.append(
             (
                 LABELS[mode],
-                *(_spread(results, k) for k in _KEYS),
+                *(_spread(results, k) for k in _RATES),
+                ratio(pool["tok_s"], med[mode]["tok_s"]),
+                *(_spread(results, k) for k in _LATENCIES),
                 statistics.median(idle) if idle else None,
                 c.get("copies"),
                 c.get("bytes"),
@@ -264,9 +288,9 @@ def _table(
         f"{load.max_running} running; per round, then median (min-max) over {rounds} interleaved rounds; token "
         f"streams identical across all modes and rounds: {same}",
         f"vllm+graph: {source}",
+        "x pool tok/s = pool+graph's output tok/s over the row's (medians); host µs/step = the median launching "
+        "iteration's host time less its counted GPU waits",
     ]
-    med = {m: {k: statistics.median(r[k] for r in res) for k in ("tok_s", "tpot99")} for m, res in per_mode.items()}
-    pool = med["pool"]
     for peer in ("pinned", "sglang", "vllm"):
         notes.append(
             f"pool+graph vs {LABELS[peer]}: output tok/s {_x(ratio(pool['tok_s'], med[peer]['tok_s']))}, "

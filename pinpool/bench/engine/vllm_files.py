@@ -98,8 +98,12 @@ class _HostView:
 
 
 def accelerator_view(cpu_tensor: torch.Tensor) -> torch.Tensor:
-    """The device view of pinned ``cpu_tensor`` at its own address: vLLM's compiled op, in Python."""
-    return torch.as_tensor(_HostView(cpu_tensor), device="cuda")
+    """The device view of pinned ``cpu_tensor`` at its own address: vLLM's compiled op, in Python.
+
+    No ``device=`` argument: torch places the view on the device whose context pinned the
+    memory, and a requested device that differed would make ``as_tensor`` copy instead.
+    """
+    return torch.as_tensor(_HostView(cpu_tensor))
 
 
 class _TorchApplyWrite:
