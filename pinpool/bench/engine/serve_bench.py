@@ -94,13 +94,22 @@ def trace_config(model_cfg: ModelConfig, load: Load, num_requests: int, seed: in
     )
 
 
-def build(model_cfg: ModelConfig, mode: ServeMode, device: torch.device, max_running: int, model: Any) -> ServeEngine:
+def build(
+    model_cfg: ModelConfig,
+    mode: ServeMode,
+    device: torch.device,
+    max_running: int,
+    model: Any,
+    capture: bool | None = None,
+) -> ServeEngine:
+    """The bench's engine for one mode; ``capture=False``: the same padded steps as plain calls (None: on CUDA)."""
     cfg = EngineConfig(
         max_running=max_running,
         max_prefill_tokens=1 << 14,
         kv_slots=max_running * model_cfg.max_context_len + 4096,
     )
-    graph_cfg = GraphConfig(capture=device.type == "cuda", sizes=_SIZES_1024 if max_running > 256 else DEFAULT_SIZES)
+    capture = device.type == "cuda" if capture is None else capture
+    graph_cfg = GraphConfig(capture=capture, sizes=_SIZES_1024 if max_running > 256 else DEFAULT_SIZES)
     return ServeEngine(model_cfg, mode, device, cfg, graph_cfg, model=model)
 
 
