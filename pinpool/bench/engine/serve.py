@@ -15,11 +15,11 @@ differ in how a decode step's graph inputs get their values:
   row, written once when a request joins (``StagedWriteTensor`` for the positions, UVA
   ``UvaBackedTensor`` tables for the sampling parameters, re-published each step as vLLM's
   sampler does). Each step uploads ``idx_mapping`` and ``query_start_loc`` (full padded
-  width, as vLLM writes it; our model does not read it) with ``async_tensor_h2d``, and
-  gathers positions and sampling parameters into the graph's inputs on the device. vLLM
-  fuses those gathers into its Triton kernels; here they are one ``index_select`` each,
-  so this mode launches a few more kernels per step than vLLM does. The classes come from
-  vLLM's own file where ``.vllm/`` has it (``engine.vllm_files``), else a labelled rebuild.
+  width, as vLLM writes it; our model does not read it) with ``async_tensor_h2d``, and one
+  kernel gathers rows, positions and sampling parameters into the graph's inputs on the
+  device (``engine.vllm_gather``: vLLM's fused-kernel shape, written here). The table
+  classes come from vLLM's own file where ``.vllm/`` has it (``engine.vllm_files``), else
+  a labelled rebuild.
 
 Times. Each iteration's host clock is read at its start; a request arrives at the start of
 its arrival iteration. Its tokens are stamped when the host has read them: the read waits
@@ -44,6 +44,7 @@ from pinpool.bench.engine.readback import Pending
 from pinpool.bench.engine.requests import Request
 from pinpool.bench.engine.trace import fresh
 from pinpool.bench.engine.vllm_files import VllmBuffers, load
+from pinpool.bench.engine.vllm_gather import gather_inputs
 from sampling.params import RECORD_DTYPE
 from sampling.static import SAMPLING_FIELDS, sampling_columns
 
@@ -108,7 +109,6 @@ class _VllmTables:
         self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
         self.qsl_np = np.zeros(max_reqs + 1, dtype=np.int32)
         self.arange = np.arange(max_reqs + 1, dtype=np.int32)
-        self.ones = torch.ones(max_reqs, dtype=torch.int64, device=device)
         self.source = buffers.source
 
     def add(self, reqs: list[Request]) -> None:
@@ -132,13 +132,10 @@ class _VllmTables:
         for table in self.sampling.values():
             table.copy_to_uva()  # vLLM's sampler re-publishes its tables each step
         views = engine.graphs.block.views(rows)
-        views["rows"][:bs].copy_(idx)
-        torch.index_select(self.positions.gpu, 0, idx, out=views["positions"][:bs])
+        # One kernel: rows, positions (the table then moves to the next step's) and sampling fields.
+        gather_inputs(idx, self.positions.gpu, {k: t.gpu for k, t in self.sampling.items()}, views)
         views["out_cache_loc"][:bs].copy_(engine.kv.alloc(bs))
-        for name, table in self.sampling.items():
-            torch.index_select(table.gpu, 0, idx, out=views[name][:bs])
         engine.fill_padding(rows, bs)
-        self.positions.gpu.index_add_(0, idx, self.ones[:bs])  # the next step's positions
 
 
 class ServeEngine(GraphEngine):

@@ -19,14 +19,16 @@ a minimal shim stands in for them here, with what the file uses of each:
   compiled op;
 - ``vllm.platforms.current_platform.device_type``: the engine's device type.
 
-On CPU the Triton kernel cannot launch; ``_apply_write_kernel`` is replaced by its torch
-twin (``_TorchApplyWrite``) and the table notes say so. Without ``.vllm/`` (CI) ``load()``
+On CPU the Triton kernel runs in Triton's interpreter where ``TRITON_INTERPRET=1`` (the
+tests); otherwise ``_apply_write_kernel`` is replaced by its torch twin
+(``_TorchApplyWrite``), and the table notes say which. Without ``.vllm/`` (CI) ``load()``
 returns ``rebuild``: the same classes written here from reading that file, labelled as a
 rebuild wherever they are used.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from collections.abc import Sequence
@@ -187,9 +189,11 @@ def load(device: torch.device) -> VllmBuffers:
         _install_shim(device)
         mod = exec_file(f"vllm.v1.worker.gpu.buffer_utils_{device.type}", root / _BUFFER_UTILS)
         kernel = "its Triton kernel"
-        if device.type != "cuda":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             mod._apply_write_kernel = _TorchApplyWrite()
             kernel = "its Triton kernel replaced by a torch twin on CPU"
+        elif device.type != "cuda":
+            kernel = "its Triton kernel, in Triton's interpreter"
         found = VllmBuffers(
             mod.StagedWriteTensor,
             mod.UvaBackedTensor,
