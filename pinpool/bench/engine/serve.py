@@ -44,7 +44,7 @@ from pinpool.bench.engine.readback import Pending
 from pinpool.bench.engine.requests import Request
 from pinpool.bench.engine.trace import fresh
 from pinpool.bench.engine.vllm_files import VllmBuffers, load
-from pinpool.bench.engine.vllm_gather import gather_inputs
+from pinpool.bench.engine.vllm_gather import gather_inputs, uses_triton
 from sampling.params import RECORD_DTYPE
 from sampling.static import SAMPLING_FIELDS, sampling_columns
 
@@ -109,7 +109,12 @@ class _VllmTables:
         self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
         self.qsl_np = np.zeros(max_reqs + 1, dtype=np.int32)
         self.arange = np.arange(max_reqs + 1, dtype=np.int32)
-        self.source = buffers.source
+        gather = (
+            "one Triton kernel written here in vLLM's fused shape"
+            if uses_triton(device)
+            else "that kernel's torch reference (no Triton here)"
+        )
+        self.source = f"{buffers.source}; graph inputs gathered by {gather}"
 
     def add(self, reqs: list[Request]) -> None:
         """vLLM's ``add_request`` then ``apply_staged_writes``: one row per new request."""

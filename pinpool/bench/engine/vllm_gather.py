@@ -61,7 +61,8 @@ def _gather_inputs_kernel(
     tl.store(seed_out + offs, tl.load(seed_ptr + idx, mask=live, other=0), mask=live)
 
 
-def _use_triton(device: torch.device) -> bool:
+def uses_triton(device: torch.device) -> bool:
+    """Whether ``gather_inputs`` launches the kernel for tensors on ``device`` (else the torch reference)."""
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -89,7 +90,7 @@ def gather_inputs(
             raise TypeError(f"table {name!r} is {tables[name].dtype}, its output {out[name].dtype}")
     if bs == 0:
         return
-    if not _use_triton(idx.device):
+    if not uses_triton(idx.device):
         gather_inputs_torch(idx, positions, tables, out)
         return
     _gather_inputs_kernel[(triton.cdiv(bs, _BLOCK),)](
