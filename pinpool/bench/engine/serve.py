@@ -178,7 +178,7 @@ class ServeEngine(GraphEngine):
         self._written_shape = (rows, bs)
         if bs < rows:
             views = self.graphs.block.views(rows)
-            for f in self.graphs.block.fields:
+            for f in self.graphs.block.layout.fields:
                 views[f.name][bs:].fill_(f.pad)
 
     # -- serving a trace -------------------------------------------------------------------
