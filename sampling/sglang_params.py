@@ -69,6 +69,9 @@ _SEED_OR_DEFAULT = {None: DEFAULT_SEED}.get
 #: top_p must be > 0: its bound is the smallest positive double. NaN fails both sides.
 _LO = np.array([[0.0], [np.nextafter(0.0, 1.0)], [0.0]])
 _HI = np.array([[F32_MAX], [1.0], [1.0]])
+#: The right-hand sides of the flag comparisons (see ``_pack_vectorised``).
+_K_BELOW = np.array([[2], [TOP_K_ALL]])
+_P_NOT = np.array([[1.0], [0.0]])
 _FLOAT_RULES = (
     ("temperature", "must be finite, >= 0 and fit float32"),
     ("top_p", "must be in (0, 1]"),
@@ -279,15 +282,16 @@ def _pack_vectorised(
         temp_l, top_p_l, top_k_l, min_p_l, seed_l, bias_l = columns
     else:
         (temp_l, top_p_l, top_k_l, min_p_l, bias_l), seed_l = columns, [DEFAULT_SEED] * n
-    floats = _floats([temp_l, top_p_l, min_p_l])  # writable: it owns its memory or views array.array's
+    floats = _floats([temp_l, top_p_l, min_p_l])  # writable: each owns its memory
     ints = _ints(top_k_l, seed_l)
     if not ((floats >= _LO) & (floats <= _HI)).all():
         raise _first_bad_float(floats)
-    top_k = np.where(ints[0] == -1, TOP_K_ALL, ints[0])
+    top_k = ints[0]
+    top_k[top_k == -1] = TOP_K_ALL  # in place: a bad value below is still the one given
     # Valid top_k is 1..TOP_K_ALL: top_k - 1 read as unsigned is below TOP_K_ALL exactly then.
     if not ((top_k - 1).view(np.uint64) < TOP_K_ALL).all():
         i = int(np.flatnonzero((top_k - 1).view(np.uint64) >= TOP_K_ALL)[0])
-        raise SamplingParamError(f"'top_k' of request {i} must be >= 1, or -1 for all tokens (got {int(ints[0][i])})")
+        raise SamplingParamError(f"'top_k' of request {i} must be >= 1, or -1 for all tokens (got {int(top_k[i])})")
     biases = _biases(bias_l)
     greedy = floats[0] < GREEDY_EPS  # sglang's SamplingParams.__post_init__, vectorised
     floats[0][greedy] = 1.0
@@ -300,16 +304,16 @@ def _pack_vectorised(
     reals[:, 0:2] = floats[0:2].T
     reals[:, 3] = floats[2]
     words[:, 2] = top_k
-    rec.view(np.int64).reshape(n, 4)[:, 2] = ints[1]
+    words.view(np.int64)[:, 2] = ints[1]
     words[:, 7] = -1
-    # FLAG_GREEDY, FLAG_TOP_P, FLAG_TOP_K, FLAG_MIN_P are bits 0-3: four rows of bools packed.
+    # FLAG_GREEDY, FLAG_TOP_P, FLAG_TOP_K, FLAG_MIN_P are bits 0-3: four rows of bools packed,
+    # written two rows a comparison. With top_k in [1, TOP_K_ALL] and top_p, min_p in [0, 1]
+    # (checked above): greedy is top_k < 2 and the top_k flag top_k < TOP_K_ALL; the top_p flag
+    # is top_p != 1.0 and the min_p flag min_p != 0.0 (the doubles, as sglang compares them).
     bits = np.empty((4, n), np.bool_)
-    np.less_equal(top_k, 1, out=bits[0])
-    np.not_equal(floats[1], 1.0, out=bits[1])  # the double, as sglang's flag and native params compare it
-    np.not_equal(top_k, TOP_K_ALL, out=bits[2])
-    np.greater(floats[2], 0.0, out=bits[3])
-    flags = np.packbits(bits, axis=0, bitorder="little")[0]
-    words[:, 6] = flags
+    np.less(top_k, _K_BELOW, out=bits[0::2])
+    np.not_equal(floats[1:], _P_NOT, out=bits[1::2])
+    words[:, 6] = np.packbits(bits, axis=0, bitorder="little")[0]
     if biases:
         at = list(biases)
         rec["flags"][at] |= FLAG_BIAS
