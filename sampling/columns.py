@@ -81,16 +81,18 @@ def ring_views(block: torch.Tensor, bs: int, pool: PinnedRingBuffer) -> Columns:
 
 
 def select(block: torch.Tensor, bs: int, keep: torch.Tensor) -> torch.Tensor:
-    """A new block of the rows ``keep`` (int64 [k] on the device): two gathers and one join, no host read."""
-    # Each operand is one strided view of the block (``as_strided``) rather than a slice and
-    # a reshape, and the gathers allocate their own outputs: ``index_select(out=)`` into
-    # views of one block measured several times dearer than the extra join. An explicit
-    # ``as_strided`` offset counts from the storage's start, and a ring block starts inside
-    # its slot: hence the blocks' own offsets.
-    quad = torch.index_select(block.as_strided((4, bs), (bs, 1)), 1, keep)
-    wide = block.view(torch.int64)
-    seeds = torch.index_select(wide.as_strided((bs,), (1,), wide.storage_offset() + 2 * bs), 0, keep)
-    return torch.cat((quad.view(-1), seeds.view(torch.int32)))
+    """A new block of the rows ``keep`` (int64 [k] on the device): two gathers, no host read."""
+    # Each operand is one strided view (``as_strided``) rather than a slice and a reshape,
+    # which measured several times dearer for these small tensors. An explicit ``as_strided``
+    # offset counts from the storage's start, and a ring block starts inside its slot: hence
+    # the blocks' own offsets.
+    k = keep.shape[0]
+    out = torch.empty(COLUMN_WORDS * k, dtype=torch.int32, device=block.device)
+    torch.index_select(block.as_strided((4, bs), (bs, 1)), 1, keep, out=out.as_strided((4, k), (k, 1)))
+    wide, out_wide = block.view(torch.int64), out.view(torch.int64)
+    seeds = wide.as_strided((bs,), (1,), wide.storage_offset() + 2 * bs)
+    torch.index_select(seeds, 0, keep, out=out_wide.as_strided((k,), (1,), 2 * k))
+    return out
 
 
 def concat(a: torch.Tensor, a_bs: int, b: torch.Tensor, b_bs: int) -> torch.Tensor:
