@@ -277,6 +277,8 @@ def _pack_vectorised(
     try:
         columns = [list(map(_GET[f], objs)) for f in fields]
     except AttributeError:
+        if SamplingParams in set(map(type, objs)):  # pinpool's own params have no 'sampling_seed'
+            return _pack_small(objs, out, seeds)
         raise _missing_field(objs, next(f for f in fields if not all(hasattr(o, f) for o in objs))) from None
     if seeds:
         temp_l, top_p_l, top_k_l, min_p_l, seed_l, bias_l = columns
@@ -335,9 +337,12 @@ def pack_foreign(
     names the first bad request; a larger one the first bad value of the first field it
     checks (types, then temperature, top_p, min_p, top_k, then the biases).
     """
-    if SamplingParams in set(map(type, objs)):
-        # Mixed with pinpool's own SamplingParams (their seed is ``seed``, their bias sorted
-        # tuples): each native object gives its own record, one by one.
+    # Mixed with pinpool's own SamplingParams (their seed is ``seed``, their bias sorted
+    # tuples), each native object gives its own record, one by one (``_pack_small``). With
+    # seeds, no type pass is needed to find them: they have no ``sampling_seed``, so the
+    # vectorised path's reads fail on them and send the batch there (and ``_pack_small``
+    # tells them apart itself).
+    if not seeds and SamplingParams in set(map(type, objs)):
         return _pack_small(objs, out, seeds)
     if len(objs) <= SMALL_BATCH:
         try:
