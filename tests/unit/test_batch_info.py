@@ -346,9 +346,10 @@ def test_a_merge_that_fails_leaves_the_batch_as_it_was() -> None:
     assert a.sparse_logit_bias.rows.tolist() == [0]  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("keep", [[0.9, 2.7], [True, False, True]])
+@pytest.mark.parametrize("keep", [[0.9, 2.7], [True, False, True], [1, 2**64]])
 def test_filter_refuses_indices_that_are_not_integers(keep: list[object]) -> None:
-    """Catches floats truncated to other rows, or a bool mask read as the indices 1, 0, 1."""
+    """Catches floats truncated to other rows, a bool mask read as the indices 1, 0, 1, or an int
+    beyond int64 wrapped into range."""
     info = _biased(make_pool(), [0.5, 0.6, 0.7], set())
     with pytest.raises(BatchMismatchError, match="'keep_indices' must be integer row indices"):
         info.filter_batch(keep)
