@@ -87,7 +87,7 @@ def select(block: torch.Tensor, bs: int, keep: torch.Tensor) -> torch.Tensor:
     # offset counts from the storage's start, and a ring block starts inside its slot: hence
     # the blocks' own offsets.
     k = keep.shape[0]
-    out = torch.empty(COLUMN_WORDS * k, dtype=torch.int32, device=block.device)
+    out = block.new_empty(COLUMN_WORDS * k)  # same dtype and device, without building a device object
     torch.index_select(block.as_strided((4, bs), (bs, 1)), 1, keep, out=out.as_strided((4, k), (k, 1)))
     wide, out_wide = block.view(torch.int64), out.view(torch.int64)
     seeds = wide.as_strided((bs,), (1,), wide.storage_offset() + 2 * bs)
