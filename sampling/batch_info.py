@@ -73,7 +73,8 @@ class SamplingBatchInfo:
     lease: Stage | None = None
     #: Sparse (row, token, value) entries, or None when no row carries a bias.
     sparse_logit_bias: SparseLogitBias | None = None
-    #: (OR, AND) of the rows' flag bits when the caller already reduced them.
+    #: (OR, AND) of the rows' flag bits: given when the caller already reduced them, else
+    #: reduced by ``_derive``; kept for the current row set (``merge_batch`` combines two).
     flag_bits: tuple[int, int] | None = attrs.field(default=None, repr=False)
     #: Built into a caller's stage (``from_schedule_batch(stage=...)``): ``lease`` is that
     #: stage, and the batch lives only for it (no filter or merge).
@@ -223,7 +224,7 @@ class SamplingBatchInfo:
         keep = keep_array(keep_indices)
         bs = len(self.host_records)
         # One bound check: a negative index read as unsigned is past any batch size.
-        if keep.size and int(keep.view(np.uint64).max()) >= bs:
+        if keep.size and int(np.maximum.reduce(keep.view(np.uint64))) >= bs:
             got = keep.tolist()[:8]  # sync-ok: numpy host array, no device read
             raise BatchMismatchError(f"'keep_indices' must be in [0, {bs}) (got {got})")
         # Before anything is staged: staging claims a slot, and that claim may be the one
@@ -256,6 +257,7 @@ class SamplingBatchInfo:
         self.host_records = self.host_records.take(keep)  # take: a fifth of fancy indexing's cost on records
         self.sparse_logit_bias = sparse
         self.lease = None
+        self.flag_bits = None  # the kept rows' bits are reduced anew
         self._derive()
 
     def merge_batch(self, other: SamplingBatchInfo) -> None:
@@ -275,6 +277,9 @@ class SamplingBatchInfo:
         if self.sparse_logit_bias is not None or other.sparse_logit_bias is not None:
             block = merged_block(self.sparse_logit_bias, len(self), other.sparse_logit_bias)
             sparse = SparseLogitBias.land(self.pool, block)
+        # The joined rows' bits follow from the two batches' own: no pass over the records.
+        assert self.flag_bits is not None and other.flag_bits is not None  # set by every _derive
+        bits = (self.flag_bits[0] | other.flag_bits[0], self.flag_bits[1] & other.flag_bits[1])
         joined = columns.concat(self.columns, len(self), other.columns, len(other))
         self.columns = joined
         # As bytes: numpy's concatenate of structured arrays re-derives their common dtype.
@@ -283,6 +288,7 @@ class SamplingBatchInfo:
         )
         self.sparse_logit_bias = sparse
         self.lease = None
+        self.flag_bits = bits
         self._derive()
 
     def apply_logits_bias(self, logits: torch.Tensor) -> torch.Tensor:
@@ -353,7 +359,6 @@ class SamplingBatchInfo:
             flags = self.host_records["flags"]
             self.flag_bits = (int(np.bitwise_or.reduce(flags)), int(np.bitwise_and.reduce(flags)))
         any_bits, all_bits = self.flag_bits
-        self.flag_bits = None  # valid for this row set only; recomputed after filter/merge
         self.is_all_greedy = bool(all_bits & FLAG_GREEDY)
         self.is_any_greedy = bool(any_bits & FLAG_GREEDY)
         self.need_top_p_sampling = bool(any_bits & FLAG_TOP_P)

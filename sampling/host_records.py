@@ -7,7 +7,7 @@ are packed at construction, or sglang-named ones, packed here on first sight);
 
 from __future__ import annotations
 
-from array import array
+import struct
 from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any
@@ -49,9 +49,11 @@ def gather_records(reqs: Sequence[Any], seeds: bool) -> tuple[bytes | np.ndarray
 def keep_array(keep_indices: Sequence[int] | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """``keep_indices`` as a flat int64 array; a scheduler's list of ints converts at C speed."""
     if type(keep_indices) is list and set(map(type, keep_indices)) <= _INT_ONLY:  # bools are no indices
-        try:
-            return np.frombuffer(array("q", keep_indices), np.int64)
-        except (TypeError, OverflowError):  # not plain ints: numpy says what they are below
+        out = np.empty(len(keep_indices), np.int64)
+        try:  # struct: a quarter cheaper than array.array per value
+            struct.pack_into(f"{len(out)}q", out.data, 0, *keep_indices)
+            return out
+        except (struct.error, OverflowError):  # beyond int64: numpy says what they are below
             pass
     raw = np.asarray(keep_indices)
     if raw.size and raw.dtype.kind not in "iu":

@@ -20,7 +20,7 @@ batch; a cache keyed by object would pay its bookkeeping on every miss to save t
 
 How a batch is read: one pass per field over the params objects (``map`` with an
 ``attrgetter``, the same attribute reads sglang's list comprehensions make), each list
-converted at C speed by ``array.array``, then a fixed number of numpy operations for the
+converted at C speed by ``struct``, then a fixed number of numpy operations for the
 whole batch. No Python object is made per request. A list holding anything but plain
 numbers (None, a bool, a numpy scalar, a string) goes through the checked conversion,
 which applies the same rules value by value and names the first bad one.
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import struct
-from array import array
 from collections.abc import Mapping, Sequence
 from itertools import compress, repeat
 from operator import attrgetter, is_not
@@ -70,6 +69,9 @@ _SEED_OR_DEFAULT = {None: DEFAULT_SEED}.get
 #: top_p must be > 0: its bound is the smallest positive double. NaN fails both sides.
 _LO = np.array([[0.0], [np.nextafter(0.0, 1.0)], [0.0]])
 _HI = np.array([[F32_MAX], [1.0], [1.0]])
+#: The right-hand sides of the flag comparisons (see ``_pack_vectorised``).
+_K_BELOW = np.array([[2], [TOP_K_ALL]])
+_P_NOT = np.array([[1.0], [0.0]])
 _FLOAT_RULES = (
     ("temperature", "must be finite, >= 0 and fit float32"),
     ("top_p", "must be in (0, 1]"),
@@ -125,10 +127,13 @@ def _floats(cols: list[list[Any]]) -> np.ndarray[Any, Any]:
     """float64 [3, n]: the temperature, top_p and min_p lists."""
     joined = cols[0] + cols[1] + cols[2]
     if set(map(type, joined)) <= _FLOAT_KINDS:
-        try:
-            return np.frombuffer(array("d", joined), np.float64).reshape(3, -1)
-        except OverflowError:  # an int beyond any double: the checked path names it
+        out = np.empty(len(joined), np.float64)
+        try:  # struct converts plain numbers at half array.array's cost per value
+            struct.pack_into(f"{len(joined)}d", out.data, 0, *joined)
+        except (struct.error, OverflowError):  # an int beyond any double: the checked path names it
             pass
+        else:
+            return out.reshape(3, -1)
     names = ("temperature", "top_p", "min_p")
     return np.array([_checked(name, col, False) for name, col in zip(names, cols, strict=True)], np.float64)
 
@@ -140,10 +145,13 @@ def _ints(top_k: list[Any], seeds: list[Any]) -> np.ndarray[Any, Any]:
         if type(None) in kinds:
             seeds = list(map(_SEED_OR_DEFAULT, seeds, seeds))
         if set(map(type, top_k)) <= _INT_KINDS:
-            try:  # plain ints only (checked above): numpy converts them faster than array.array("q")
-                return np.array(top_k + seeds, np.int64).reshape(2, -1)
-            except OverflowError:  # beyond int64: the checked path names it
+            out = np.empty(2 * len(seeds), np.int64)
+            try:  # plain ints only (checked above, so no bools): struct packs them exactly or refuses
+                struct.pack_into(f"{len(out)}q", out.data, 0, *top_k, *seeds)
+            except (struct.error, OverflowError):  # beyond int64: the checked path names it
                 pass
+            else:
+                return out.reshape(2, -1)
     return np.array([_checked("top_k", top_k, True), _checked("sampling_seed", seeds, True)], np.int64)
 
 
@@ -269,20 +277,23 @@ def _pack_vectorised(
     try:
         columns = [list(map(_GET[f], objs)) for f in fields]
     except AttributeError:
+        if SamplingParams in set(map(type, objs)):  # pinpool's own params have no 'sampling_seed'
+            return _pack_small(objs, out, seeds)
         raise _missing_field(objs, next(f for f in fields if not all(hasattr(o, f) for o in objs))) from None
     if seeds:
         temp_l, top_p_l, top_k_l, min_p_l, seed_l, bias_l = columns
     else:
         (temp_l, top_p_l, top_k_l, min_p_l, bias_l), seed_l = columns, [DEFAULT_SEED] * n
-    floats = _floats([temp_l, top_p_l, min_p_l])  # writable: it owns its memory or views array.array's
+    floats = _floats([temp_l, top_p_l, min_p_l])  # writable: each owns its memory
     ints = _ints(top_k_l, seed_l)
     if not ((floats >= _LO) & (floats <= _HI)).all():
         raise _first_bad_float(floats)
-    top_k = np.where(ints[0] == -1, TOP_K_ALL, ints[0])
+    top_k = ints[0]
+    top_k[top_k == -1] = TOP_K_ALL  # in place: a bad value below is still the one given
     # Valid top_k is 1..TOP_K_ALL: top_k - 1 read as unsigned is below TOP_K_ALL exactly then.
     if not ((top_k - 1).view(np.uint64) < TOP_K_ALL).all():
         i = int(np.flatnonzero((top_k - 1).view(np.uint64) >= TOP_K_ALL)[0])
-        raise SamplingParamError(f"'top_k' of request {i} must be >= 1, or -1 for all tokens (got {int(ints[0][i])})")
+        raise SamplingParamError(f"'top_k' of request {i} must be >= 1, or -1 for all tokens (got {int(top_k[i])})")
     biases = _biases(bias_l)
     greedy = floats[0] < GREEDY_EPS  # sglang's SamplingParams.__post_init__, vectorised
     floats[0][greedy] = 1.0
@@ -295,16 +306,16 @@ def _pack_vectorised(
     reals[:, 0:2] = floats[0:2].T
     reals[:, 3] = floats[2]
     words[:, 2] = top_k
-    rec.view(np.int64).reshape(n, 4)[:, 2] = ints[1]
+    words.view(np.int64)[:, 2] = ints[1]
     words[:, 7] = -1
-    # FLAG_GREEDY, FLAG_TOP_P, FLAG_TOP_K, FLAG_MIN_P are bits 0-3: four rows of bools packed.
+    # FLAG_GREEDY, FLAG_TOP_P, FLAG_TOP_K, FLAG_MIN_P are bits 0-3: four rows of bools packed,
+    # written two rows a comparison. With top_k in [1, TOP_K_ALL] and top_p, min_p in [0, 1]
+    # (checked above): greedy is top_k < 2 and the top_k flag top_k < TOP_K_ALL; the top_p flag
+    # is top_p != 1.0 and the min_p flag min_p != 0.0 (the doubles, as sglang compares them).
     bits = np.empty((4, n), np.bool_)
-    np.less_equal(top_k, 1, out=bits[0])
-    np.not_equal(floats[1], 1.0, out=bits[1])  # the double, as sglang's flag and native params compare it
-    np.not_equal(top_k, TOP_K_ALL, out=bits[2])
-    np.greater(floats[2], 0.0, out=bits[3])
-    flags = np.packbits(bits, axis=0, bitorder="little")[0]
-    words[:, 6] = flags
+    np.less(top_k, _K_BELOW, out=bits[0::2])
+    np.not_equal(floats[1:], _P_NOT, out=bits[1::2])
+    words[:, 6] = np.packbits(bits, axis=0, bitorder="little")[0]
     if biases:
         at = list(biases)
         rec["flags"][at] |= FLAG_BIAS
@@ -326,9 +337,12 @@ def pack_foreign(
     names the first bad request; a larger one the first bad value of the first field it
     checks (types, then temperature, top_p, min_p, top_k, then the biases).
     """
-    if SamplingParams in set(map(type, objs)):
-        # Mixed with pinpool's own SamplingParams (their seed is ``seed``, their bias sorted
-        # tuples): each native object gives its own record, one by one.
+    # Mixed with pinpool's own SamplingParams (their seed is ``seed``, their bias sorted
+    # tuples), each native object gives its own record, one by one (``_pack_small``). With
+    # seeds, no type pass is needed to find them: they have no ``sampling_seed``, so the
+    # vectorised path's reads fail on them and send the batch there (and ``_pack_small``
+    # tells them apart itself).
+    if not seeds and SamplingParams in set(map(type, objs)):
         return _pack_small(objs, out, seeds)
     if len(objs) <= SMALL_BATCH:
         try:

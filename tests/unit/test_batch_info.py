@@ -91,6 +91,32 @@ def test_filter_and_merge_match_a_from_scratch_build() -> None:
     assert_matches(info, [b[4]])
 
 
+@pytest.mark.parametrize("owned", [False, True])
+def test_merge_combines_the_flags_and_filter_reduces_them_anew(owned: bool) -> None:
+    """Catches merge_batch's combined flags wrong (an OR taken for the AND, or one side's bits
+    kept), or filter_batch keeping the flags of rows it dropped."""
+    pool = make_pool()
+    greedy = [SamplingParams(temperature=0.0) for _ in range(3)]
+    sampled = [SamplingParams(temperature=0.7, top_p=0.9, min_p=0.1, top_k=40)]
+
+    def build(params: list[SamplingParams]) -> SamplingBatchInfo:
+        return SamplingBatchInfo.from_schedule_batch(
+            Batch([Req(p) for p in params]), VOCAB, pool, owned=owned, deterministic=True
+        )
+
+    info = build(greedy[:2])
+    info.merge_batch(build(greedy[2:]))
+    assert info.is_all_greedy and info.is_any_greedy and not info.need_top_p_sampling
+    info.merge_batch(build(sampled))
+    assert_matches(info, greedy + sampled)
+    assert not info.is_all_greedy and info.is_any_greedy and info.need_min_p_sampling
+    info.filter_batch([0, 2])
+    assert info.is_all_greedy and not info.need_top_p_sampling and not info.need_min_p_sampling
+    info.filter_batch([])
+    info.merge_batch(build(sampled))
+    assert not info.is_any_greedy and not info.is_all_greedy and info.need_top_k_sampling
+
+
 def test_filter_bad_indices_and_merge_mismatch_raise() -> None:
     """Catches an out-of-range keep index reaching index_select, or batches of two vocabularies merged."""
     pool = make_pool()
@@ -320,9 +346,10 @@ def test_a_merge_that_fails_leaves_the_batch_as_it_was() -> None:
     assert a.sparse_logit_bias.rows.tolist() == [0]  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("keep", [[0.9, 2.7], [True, False, True]])
+@pytest.mark.parametrize("keep", [[0.9, 2.7], [True, False, True], [1, 2**64]])
 def test_filter_refuses_indices_that_are_not_integers(keep: list[object]) -> None:
-    """Catches floats truncated to other rows, or a bool mask read as the indices 1, 0, 1."""
+    """Catches floats truncated to other rows, a bool mask read as the indices 1, 0, 1, or an int
+    beyond int64 wrapped into range."""
     info = _biased(make_pool(), [0.5, 0.6, 0.7], set())
     with pytest.raises(BatchMismatchError, match="'keep_indices' must be integer row indices"):
         info.filter_batch(keep)

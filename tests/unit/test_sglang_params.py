@@ -227,6 +227,29 @@ def test_small_and_numpy_packers_give_the_same_bytes(monkeypatch: pytest.MonkeyP
     assert biases == {i: b[0] for i, (_, b) in enumerate(small) if b}
 
 
+def test_plain_numbers_and_numpy_scalars_pack_the_same_bytes() -> None:
+    """Catches the vectorised packer's C-level conversion (plain ints and floats only) and its
+    checked conversion (anything else: here numpy scalars and integral float top_ks) drifting
+    apart on valid values, ints given for the float fields included."""
+    rng = random.Random(7)
+    plain: list[Any] = [pair(rng)[0] for _ in range(sglang_params.SMALL_BATCH + 20)]
+    plain[0].temperature, plain[1].top_p, plain[2].min_p = 1, 1, 0  # ints where floats are usual
+    other = []
+    for r in plain:
+        o = Raw(
+            temperature=np.float64(r.temperature),
+            top_p=np.float64(r.top_p),
+            top_k=float(r.top_k),  # 40.0 is read as 40, as sglang's int conversion does
+            min_p=np.float64(r.min_p),
+            sampling_seed=None if r.sampling_seed is None else np.int64(r.sampling_seed),
+            logit_bias=r.logit_bias,
+        )
+        other.append(o)
+    want, want_bias = sglang_params.pack_foreign(plain)
+    got, got_bias = sglang_params.pack_foreign(other)
+    assert got.tobytes() == want.tobytes() and got_bias == want_bias
+
+
 def test_an_object_without_sglangs_fields_is_named() -> None:
     """Catches an AttributeError (or a silent default) for params that are neither pinpool's nor sglang's."""
 
