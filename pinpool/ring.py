@@ -109,6 +109,8 @@ class PinnedRingBuffer:
             for i in range(self._num_slots)
         ]
         self._fences: list[Fence] = [self._transport.new_fence() for _ in self._slots]
+        for mem, fence in zip(self._slots, self._fences, strict=True):
+            mem.fence = fence
         # The mirror came from the caching allocator on the stream current now, which may still
         # have work queued on memory the block held before: that stream is every slot's first
         # "previous user", so a first stage on another stream waits for it.
@@ -125,6 +127,8 @@ class PinnedRingBuffer:
             if alias is not None and self.platform.zero_copy_ok:
                 for i, mem in enumerate(self._slots):
                     mem.alias = alias[i * slot_bytes : (i + 1) * slot_bytes]
+        #: Whether kernels may read and write the pinned slots in place (zero-copy stages, landings).
+        self.can_land = self._slots[0].alias is not None
         self._next_slot = 0
         self._generation = 0
         self._open: Stage | None = None
@@ -163,11 +167,6 @@ class PinnedRingBuffer:
         The unit of a ring view's lifetime: ``num_slots - 1`` further claims (``VIEW_LIFETIME``).
         """
         return self._generation
-
-    @property
-    def can_land(self) -> bool:
-        """Whether kernels may read and write the pinned slots in place (zero-copy, landings)."""
-        return self._slots[0].alias is not None
 
     def stage(
         self,
@@ -258,6 +257,8 @@ class PinnedRingBuffer:
         self._drain()
         self._closed = True
         self._retained = [[] for _ in self._retained]
+        for mem in self._slots:
+            mem.views.clear()  # the views kept per slot hold their memory (a block's, say) alive
         _log.info("pool.closed", device=str(self.device), **attrs.asdict(self._counters))
 
     def __del__(self) -> None:
@@ -320,11 +321,11 @@ class PinnedRingBuffer:
             layout.plan(rows)  # typed error for a bad ``rows``, before the claim
             if not int_in_range(live, 0, rows):  # and for a bad ``live``
                 raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
-            if layout.landings:
+            if layout.landings and not self.can_land:
                 self._check_can_land()
         elif rows is not None or live is not None:
             raise PoolStateError("'rows' and 'live' need a 'layout'")
-        if placement is IN_PLACE:
+        if placement is IN_PLACE and not self.can_land:
             self._check_can_land()
         dst: torch.Tensor | None = block_memory
         if placement is OWNED:
@@ -393,9 +394,6 @@ class PinnedRingBuffer:
 
     def _retain(self, slot: int, objs: tuple[Any, ...]) -> None:
         self._retained[slot].extend(objs)
-
-    def _fence_of(self, slot: int) -> Fence:
-        return self._fences[slot]
 
     def _resolve_then_ask(self, stream: Stream | None) -> tuple[Stream, bool]:
         """``resolve_for_stage`` for a transport without it: the two questions apart (no ``capturing``: never)."""

@@ -68,6 +68,7 @@ class SlotMemory:
         "alias",
         "alignment",
         "device_raw",
+        "fence",
         "host",
         "host_base",
         "host_bytes",
@@ -86,6 +87,8 @@ class SlotMemory:
         self.host_bytes = host_bytes
         self.host_base = host_base
         self.alignment = alignment
+        #: The slot's fence, recorded when a claim of it closes (the ring makes one per slot, for life).
+        self.fence: Any = None
         self.address: int = host_raw.data_ptr()
         self.nbytes: int = host_raw.numel()
         raw_np = host_raw.numpy()
@@ -93,6 +96,29 @@ class SlotMemory:
         #: A decode step repeats its puts and its layout at the same offsets of a slot: the
         #: views they make are kept here, keyed by what they cover.
         self.views: BoundedCache[tuple[Any, ...], Any] = BoundedCache()
+
+
+class Placed:
+    """A layout for ``rows`` rows placed in one slot and one destination: views and byte positions, made once.
+
+    A decode step opens the same layout at the same size in the same slot lap after lap: the
+    slot keeps this (``SlotMemory.views``), so a step's puts are a dict lookup and a pack.
+    """
+
+    __slots__ = ("cursor", "dst", "fields", "host_views", "landings", "layout", "nbytes", "views")
+
+    def __init__(self, layout: Layout, rows: int, mem: SlotMemory, dst: torch.Tensor) -> None:
+        self.layout, self.dst = layout, dst  # held, so the ids in this entry's key stay theirs
+        plan = layout.plan(rows)
+        self.nbytes = plan.nbytes
+        self.cursor = align_up(plan.nbytes, mem.alignment)
+        self.host_views = layout.host_views(mem.host[torch.uint8], rows)
+        self.views = layout.device_views(dst, rows)
+        at = [mem.host_base + off for off in plan.offsets]
+        #: name -> (index, the field's first byte in the slab, dtype), input fields only.
+        self.fields = {f.name: (i, at[i], f.dtype) for i, f in enumerate(layout.fields) if f.lands is None}
+        #: (index, first byte in the slab, landed dtype) of each landing field.
+        self.landings = tuple((i, at[i], layout.fields[i].lands) for i in layout.landings)
 
 
 class RingSide(SlotReads, Protocol):
@@ -116,9 +142,9 @@ class RingSide(SlotReads, Protocol):
 
     def _copy_back(self, st: Stage, host_t: torch.Tensor, host_np: Any, src: torch.Tensor, nbytes: int) -> Readback: ...
 
-    def _fence_of(self, slot: int) -> Any: ...
-
     def _check_can_land(self) -> None: ...
+
+    can_land: bool
 
 
 class BlockSide(Protocol):
@@ -149,11 +175,12 @@ class Stage:
 
     __slots__ = (
         "_block",
+        "_columns",
         "_cursor",
-        "_host_views",
         "_landings",
         "_mem",
         "_padded",
+        "_placed",
         "_ring",
         "_written",
         "capacity",
@@ -170,7 +197,6 @@ class Stage:
         "stream",
         "tail",
         "used_bytes",
-        "views",
     )
 
     def __init__(
@@ -191,21 +217,24 @@ class Stage:
         #: The device memory the views are carved from and the copy lands in.
         self.dst = dst
         self._block = block
-        self.capacity = min(mem.nbytes, dst.numel())
-        self._cursor = self.used_bytes = 0
         #: Landing bytes are claimed from the slot's end down, outside the copied bytes.
-        self.tail = mem.nbytes
-        self.landing_bytes = False
-        self.copy_issued = False
+        self.tail = nbytes = mem.nbytes
+        self.capacity = nbytes if placement is RING or placement is IN_PLACE else min(nbytes, dst.numel())
+        self._cursor = self.used_bytes = 0
+        self.landing_bytes = self.copy_issued = False
         self.state = OPEN
         self._landings: list[Landing] = []
         self.layout: Layout | None = None
         self.rows = self.live = 0
-        self._written = 0
-        self._padded = False
-        self._host_views: list[np.ndarray[Any, Any]] = []
-        #: With a layout: name -> each field's device view of ``rows`` elements.
-        self.views: dict[str, torch.Tensor] = {}
+        # A layout's state (``_placed``, ``_written``, ``_padded``, ``_columns``) is set by
+        # ``open_layout``: a plain stage never reads it.
+        self._placed: Placed | None = None
+
+    @property
+    def views(self) -> dict[str, torch.Tensor]:
+        """With a layout: name -> each field's device view of ``rows`` elements (empty without one)."""
+        placed = self._placed
+        return placed.views if placed is not None else {}
 
     # -- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> Stage:
@@ -228,7 +257,7 @@ class Stage:
         if state is CLOSED or state is ABORTED:
             return
         if ok and state is OPEN:
-            if self.placement is not IN_PLACE and any(h.size for h in self._landings):
+            if self._landings and self.placement is not IN_PLACE and any(h.size for h in self._landings):
                 # The copy would carry live addresses that a kernel launched after close
                 # could still store through, past the slot's fence: abort instead.
                 self.close(ok=False)
@@ -327,11 +356,10 @@ class Stage:
                         self._cursor = (end + mem.alignment - 1) & -mem.alignment
                         if self.placement is OWNED:
                             return self._owned_view(start, dtype, numel)
-                        key = (self.dst, dtype, start, numel)
-                        cached = mem.views.get(key)
-                        if cached is not None:
-                            return cached
-                        return mem.views.put(key, self.dst.view(dtype)[start // dtype.itemsize :][:numel])
+                        hit = mem.views.get((id(self.dst), dtype, start, numel))
+                        if hit is not None:
+                            return hit[1]
+                        return self._keep_view(start, dtype, numel)
         elif (
             type(values) is np.ndarray
             and values.ndim == 1
@@ -397,7 +425,8 @@ class Stage:
         """
         if self.state is not OPEN:
             self._check_open()
-        self._ring._check_can_land()
+        if not self._ring.can_land:
+            self._ring._check_can_land()  # raises, saying why
         if not int_in_range(numel, 0):
             raise StagingValueError(f"'numel' must be an int >= 0 (got {numel!r})")
         if dtype not in LANDING_ITEMSIZE:
@@ -407,7 +436,8 @@ class Stage:
         handle, column = self._new_landing(start, numel, dtype)
         try:
             at = self._cursor
-            if at + len(column) <= min(self.capacity, self.tail):
+            end = at + len(column)
+            if end <= self.capacity and end <= self.tail:
                 mem = self._mem
                 mem.host_bytes[mem.host_base + at : mem.host_base + at + len(column)] = column
                 addresses = self._advance(at, torch.int64, numel, len(column))
@@ -452,36 +482,31 @@ class Stage:
 
     # -- layout ------------------------------------------------------------------------
     def open_layout(self, layout: Layout, rows: int, live: int) -> None:
-        """Claim the layout's bytes for ``rows`` rows (``live`` of them real) and its landings: the ring calls it."""
-        plan = layout.plan(rows)  # typed error for a bad ``rows``
-        if not int_in_range(live, 0, rows):
-            raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
-        if plan.nbytes > self.capacity:
-            raise CapacityError(
-                f"a layout of {rows} rows needs {plan.nbytes} bytes but the stage has {self.capacity}; "
-                "raise PoolSettings.slot_bytes or lower max_rows"
-            )
+        """Claim ``layout`` for ``rows`` rows, ``live`` of them real, and its landings (the ring checked the counts)."""
         mem, dst = self._mem, self.dst
-        key = ("layout", id(layout), id(dst), rows)
-        hit = mem.views.get(key) if self.placement is not OWNED else None
-        if hit is None or hit[0] is not layout or hit[1] is not dst:
-            hit = (layout, dst, layout.host_views(mem.host[torch.uint8], rows), layout.device_views(dst, rows))
+        key = ("layout", id(layout), id(dst), rows)  # ids: the entry holds both, so neither id is reused
+        placed = mem.views.get(key) if self.placement is not OWNED else None
+        if placed is None:
+            placed = Placed(layout, rows, mem, dst)
+            if placed.nbytes > self.capacity:
+                raise CapacityError(
+                    f"a layout of {rows} rows needs {placed.nbytes} bytes but the stage has {self.capacity}; "
+                    "raise PoolSettings.slot_bytes or lower max_rows"
+                )
             if self.placement is not OWNED:  # an owned buffer may be another one next time
-                mem.views.put(key, hit)
-        self.layout, self.rows, self.live = layout, rows, live
-        self._host_views, self.views = hit[2], hit[3]
-        self.used_bytes = plan.nbytes
-        self._cursor = align_up(plan.nbytes, mem.alignment)
-        for i in layout.landings:
-            dtype = layout.fields[i].lands
-            assert dtype is not None
-            start = self._claim_tail(live * LANDING_ITEMSIZE[dtype], layout.fields[i].name)
-            column = self._new_landing(start, live, dtype)[1]
-            at = mem.host_base + plan.offsets[i]
-            mem.host_bytes[at : at + len(column)] = column
+                mem.views.put(key, placed)
+        self.layout, self.rows, self.live, self._placed = layout, rows, live, placed
+        self._written, self._padded, self._columns = 0, False, []
+        self.used_bytes, self._cursor = placed.nbytes, placed.cursor
+        if layout.landings:
+            for i, at, dtype in placed.landings:
+                start = self._claim_tail(live * LANDING_ITEMSIZE[dtype], layout.fields[i].name)
+                column = self._new_landing(start, live, dtype)[1]
+                mem.host_bytes[at : at + len(column)] = column
+                self._columns.append((at, column))
         if self.placement is IN_PLACE and live < rows:
             # Read in place from the moment they are handed out: the padding rows are written now.
-            for view, pad in zip(self._host_views, layout.pads, strict=True):
+            for view, pad in zip(placed.host_views, layout.pads, strict=True):
                 view[live:] = pad
             self._padded = True
 
@@ -491,7 +516,8 @@ class Stage:
             self._check_open()
         i = self._input_field(name)
         self._written |= 1 << i
-        return self._host_views[i][: self.live]
+        assert self._placed is not None  # a layout's stage: ``_input_field`` raised otherwise
+        return self._placed.host_views[i][: self.live]
 
     def put_image(self, image: HostImage) -> None:
         """Every field from a prebuilt host image (padding included): one memcpy."""
@@ -517,11 +543,10 @@ class Stage:
                 f"'image.data' must be uint8 of the layout's {layout.nbytes(self.rows)} bytes "
                 f"(got {getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')})"
             )
-        landed = [self._host_views[i][: self.live].copy() for i in layout.landings]
         mem = self._mem
-        mem.host_bytes[mem.host_base : mem.host_base + image.data.nbytes] = image.data  # type: ignore[call-overload]
-        for i, column in zip(layout.landings, landed, strict=True):
-            self._host_views[i][: self.live] = column  # the image holds no addresses: keep this step's
+        mem.host_bytes[mem.host_base : mem.host_base + data.nbytes] = data  # type: ignore[call-overload]
+        for at, column in self._columns:  # the image holds no addresses: this step's go back over it
+            mem.host_bytes[at : at + len(column)] = column
         self._written, self._padded = layout.all_written, True
 
     def landing(self, name: str) -> Landing:
@@ -536,14 +561,21 @@ class Stage:
     def _advance(self, start: int, dtype: torch.dtype, numel: int, nbytes: int) -> torch.Tensor:
         """Commit a claim of ``nbytes`` at ``start``: its device view, and the cursor past it."""
         end = self.used_bytes = start + nbytes
-        self._cursor = align_up(end, self._mem.alignment)
+        align = self._mem.alignment
+        self._cursor = (end + align - 1) & -align
         if self.placement is OWNED:
             return self._owned_view(start, dtype, numel)
-        # The same claims repeat at the same bytes of a slot every lap: their views are kept.
-        views = self._mem.views
-        key = (self.dst, dtype, start, numel)
-        cached: torch.Tensor | None = views.get(key)
-        return cached if cached is not None else views.put(key, self.dst.view(dtype)[start // dtype.itemsize :][:numel])
+        hit = self._mem.views.get((id(self.dst), dtype, start, numel))
+        return hit[1] if hit is not None else self._keep_view(start, dtype, numel)
+
+    def _keep_view(self, start: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The device view of a claim, kept with the slot: the same claims repeat at the same bytes every lap.
+
+        Keyed by the destination's id and held with it, so the id cannot be another tensor's.
+        """
+        view = self.dst.view(dtype)[start // dtype.itemsize :][:numel]
+        self._mem.views.put((id(self.dst), dtype, start, numel), (self.dst, view))
+        return view
 
     def _owned_view(self, start: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """An owned buffer may be another one next time: its views are made, never kept."""
@@ -574,7 +606,7 @@ class Stage:
         if hit is None:
             values = mem.host[torch.uint8][start : start + numel * LANDING_ITEMSIZE[dtype]].view(NUMPY_DTYPE[dtype])
             hit = mem.views.put(key, ((landing_column(numel, dtype) + (mem.address + start)).tobytes(), values))
-        handle = Landing(self._ring, self.slot, self.generation, self._ring._fence_of(self.slot), hit[1])
+        handle = Landing(self._ring, self.slot, self.generation, mem.fence, hit[1])
         self._landings.append(handle)
         return handle, hit[0]
 
@@ -593,7 +625,8 @@ class Stage:
                 )
             live = self.live
             if live < self.rows and not self._padded:
-                for view, pad in zip(self._host_views, layout.pads, strict=True):
+                assert self._placed is not None
+                for view, pad in zip(self._placed.host_views, layout.pads, strict=True):
                     view[live:] = pad
         block = self._block
         if block is not None:
@@ -605,10 +638,13 @@ class Stage:
             block.after_copy(self.stream)
 
     def _put_field(self, name: str, values: Any) -> None:
-        i = self._input_field(name)
-        layout = self.layout
-        assert layout is not None
-        dtype, live = layout.fields[i].dtype, self.live
+        placed = self._placed
+        spec = placed.fields.get(name) if placed is not None else None
+        if spec is None or placed is None:
+            self._input_field(name)  # raises: no layout, an unknown field, or a landing
+            return
+        i, at, dtype = spec
+        live = self.live
         if type(values) is list and len(values) == live:
             packer = PACKERS.get((dtype, live)) or packer_for(dtype, live)
             if packer is not None:
@@ -619,20 +655,18 @@ class Stage:
                 except (struct.error, TypeError, OverflowError):
                     pass  # the general path converts or raises typed
                 else:
-                    mem = self._mem
-                    start = mem.host_base + layout.plan(self.rows).offsets[i]
-                    mem.host_bytes[start : start + len(packed)] = packed
+                    self._mem.host_bytes[at : at + len(packed)] = packed
                     self._written |= 1 << i
                     return
         src, _, shape = as_source(values, dtype, name)
         if math.prod(shape) != live:
             raise StagingValueError(f"'{name}' must hold {live} values, one per live row (got shape {shape})")
         if isinstance(src, np.ndarray):
-            write(self._host_views[i][:live], src, dtype, name)  # arrays are checked before they are copied
+            write(placed.host_views[i][:live], src, dtype, name)  # arrays are checked before they are copied
         else:  # a list is written, then checked: aside, so a refused one leaves the field as it was
             converted = np.empty(live, NUMPY_DTYPE[dtype])
             write(converted, src, dtype, name)
-            self._host_views[i][:live] = converted
+            placed.host_views[i][:live] = converted
         self._written |= 1 << i
 
     def _input_field(self, name: str) -> int:

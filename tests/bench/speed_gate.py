@@ -1,10 +1,10 @@
 """The small core's speed gate: the same bench workloads on an earlier tree (``.old``) and on this one.
 
-Run on the device, in one call::
+Run on the device, in one call, in the order old, new, new, old (a machine's first runs can be
+slower: the order cancels a drift)::
 
-    python3 tests/bench/speed_gate.py run --tree .old --json $LOGS/gate_old.json
-    python3 tests/bench/speed_gate.py run --tree .    --json $LOGS/gate_new.json
-    python3 tests/bench/speed_gate.py compare $LOGS/gate_old.json $LOGS/gate_new.json
+    python3 tests/bench/speed_gate.py run --tree .old --json old1.json   # then new1, new2, old2
+    python3 tests/bench/speed_gate.py compare old1.json,old2.json new1.json,new2.json
 
 ``run`` imports the tree's own ``pinpool.bench.cli`` (its workload modules by their names in
 that tree: the reference engine was top-level ``engine`` before it moved under
@@ -54,24 +54,40 @@ def _median(cell: Any) -> float | None:
     return cell.get("median") if isinstance(cell, dict) else None
 
 
-def compare(old_path: Path, new_path: Path) -> None:
-    old = {t["title"]: t for t in json.loads(old_path.read_text())["tables"]}
-    new = {t["title"]: t for t in json.loads(new_path.read_text())["tables"]}
+#: The columns that name a row (the rest are figures).
+KEYS = ("bs", "readers", "mode", "running", "config")
+
+
+def _key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple((c, row[c]) for c in KEYS if c in row)
+
+
+def _load(paths: str) -> dict[str, dict[str, Any]]:
+    """Tables by title from one run, or several (comma-separated): each figure the mean of the runs' medians."""
+    runs = [{t["title"]: t for t in json.loads(Path(p).read_text())["tables"]} for p in paths.split(",")]
+    merged = runs[0]
+    for title, table in merged.items():
+        for row in table["rows"]:
+            others = [r for run in runs[1:] for r in run.get(title, {}).get("rows", []) if _key(r) == _key(row)]
+            for column, cell in row.items():
+                values = (
+                    [cell.get("median")] + [_median(o.get(column)) for o in others] if isinstance(cell, dict) else []
+                )
+                if values and all(v for v in values):
+                    cell["median"] = sum(values) / len(values)
+    return merged
+
+
+def compare(old_paths: str, new_paths: str) -> None:
+    old, new = _load(old_paths), _load(new_paths)
     worst = 0.0
     for title, table in new.items():
         if title not in old:
             continue
         print(f"== {title}")
+        earlier = {_key(r): r for r in old[title]["rows"]}
         for row in table["rows"]:
-            key = tuple((c, v) for c, v in row.items() if not isinstance(v, dict))[:2]
-            match = next(
-                (
-                    r
-                    for r in old[title]["rows"]
-                    if tuple((c, v) for c, v in r.items() if not isinstance(v, dict))[:2] == key
-                ),
-                None,
-            )
+            match = earlier.get(_key(row))
             if match is None:
                 continue
             cells = []
@@ -83,7 +99,7 @@ def compare(old_path: Path, new_path: Path) -> None:
                 worst = max(worst, ratio)
                 cells.append(f"{column} {ratio:.2f}{' >1.10' if ratio > 1.10 else ''}")
             if cells:
-                print("  " + " ".join(f"{k}={v}" for k, v in key) + ": " + "; ".join(cells))
+                print("  " + " ".join(f"{k}={v}" for k, v in _key(row)) + ": " + "; ".join(cells))
     print(f"GATE worst new/old {worst:.2f} (gate 1.10)")
 
 
@@ -96,8 +112,8 @@ def main() -> int:
     r.add_argument("--workloads", default="staging,zero_copy,decode,sampling_sglang,memcache_sglang")
     r.add_argument("--repeats", type=int, default=3)
     c = sub.add_parser("compare")
-    c.add_argument("old", type=Path)
-    c.add_argument("new", type=Path)
+    c.add_argument("old", help="the earlier tree's JSON, or several comma-separated (their medians averaged)")
+    c.add_argument("new", help="this tree's JSON, or several comma-separated")
     args = parser.parse_args()
     if args.cmd == "run":
         return run(args.tree, args.workloads.split(","), args.json, args.repeats)
