@@ -43,6 +43,17 @@ if [ -n "${PINPOOL_GATE:-}" ] && [ -d .old/pinpool ]; then
     "$LOGS/gate_new1.json,$LOGS/gate_new2.json" | tee "$OUT/gate.txt" | tail -3
   gate_line=$(grep -h '^GATE' "$OUT/gate.txt")
 fi
+serve_rc=skipped
+if [ -n "${PINPOOL_SERVE:-}" ]; then
+  # The serve workload (request churn, every peer's staging) and its soak, boxed apart.
+  box "${PINPOOL_SERVE_BOX:-300}" python3 -m pinpool.bench.cli bench --workloads serve --repeats 3 --json "$LOGS/serve.json" \
+    2>"$LOGS/serve.err" | tee "$OUT/serve.txt" | tail -40
+  serve_rc=${PIPESTATUS[0]}
+  if [ -n "${PINPOOL_SERVE_SOAK:-}" ]; then
+    box "${PINPOOL_SERVE_SOAK_BOX:-150}" python3 tests/bench/serve_soak.py ${PINPOOL_SERVE_SOAK} --json "$LOGS/serve_soak.json" 2>&1 | tee "$LOGS/serve_soak.txt" | tail -8
+    serve_rc=$(( serve_rc || PIPESTATUS[0] ))
+  fi
+fi
 bench_start=$SECONDS
 # --plot only where matplotlib is installed: without it the bench refuses to start.
 plot=(); python3 -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/bench.png")
@@ -105,11 +116,13 @@ fi
   echo "unit tests: rc=$unit_rc  $(tail -1 "$LOGS/unit_tests.log")"
   echo "old code  : $old_line"
   echo "speed gate: $gate_line"
+  echo "serve     : rc=$serve_rc"
   echo "bench     : rc=$bench_rc  ${bench_seconds} s (tables in bench.txt and bench_graph.txt; JSON in raw.tgz)"
   echo "soak      : rc=$soak_rc  $(grep -h '^SOAK' "$LOGS/soak.txt" 2>/dev/null)"
   echo "two GPUs  : rc=$two_rc  $(grep -h 'TWO-GPU CHECK' "$LOGS/two_gpu.txt" 2>/dev/null)"
 } | tee "$OUT/summary.txt"
 tar czf "$OUT/raw.tgz" -C "$LOGS" .
 [ "$soak_rc" = skipped ] && soak_rc=0
+[ "$serve_rc" = skipped ] && serve_rc=0
 [ "$two_rc" = skipped ] && two_rc=0
-exit $(( gpu_rc || unit_rc || bench_rc || soak_rc || two_rc ))
+exit $(( gpu_rc || unit_rc || bench_rc || soak_rc || two_rc || serve_rc ))
