@@ -33,9 +33,6 @@ from pinpool.readback import Landing, Readback, SlotReads
 from pinpool.transport import Stream
 
 _ITEMSIZE = {d: d.itemsize for d in [*NUMPY_DTYPE, torch.bfloat16]}
-#: torch dtype -> its numpy dtype object (compared by identity: numpy keeps one per builtin
-#: native-order type, so a byte-swapped array takes the converting path).
-_NUMPY_OF = {d: np.dtype(n) for d, n in NUMPY_DTYPE.items()}
 LAND_WITHOUT_FLUSH = (
     "a stage with landings needs flush() before close: the writer is launched between the two, after the "
     "copy that carries its addresses; the stage was aborted and nothing was copied"
@@ -360,19 +357,6 @@ class Stage:
                         if hit is not None:
                             return hit[1]
                         return self._keep_view(start, dtype, numel)
-        elif (
-            type(values) is np.ndarray
-            and values.ndim == 1
-            and type(dtype) is torch.dtype
-            and values.dtype is _NUMPY_OF.get(dtype)
-            and values.flags.c_contiguous
-        ):
-            start, nbytes = self._cursor, values.nbytes
-            if start + nbytes <= min(self.capacity, self.tail):
-                mem = self._mem
-                base = mem.host_base + start
-                mem.host_bytes[base : base + nbytes] = values.view(np.uint8)  # type: ignore[call-overload]
-                return self._advance(start, dtype, values.shape[0], nbytes)
         src, target, shape = as_source(values, dtype, name)
         numel = math.prod(shape)
         start, nbytes = self._cursor, numel * _ITEMSIZE[target]

@@ -13,7 +13,6 @@ import statistics
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings
@@ -50,12 +49,6 @@ def main() -> None:
         fast = _median_us(_stage_with(pool, values))
         general = _median_us(_stage_with(pool, tuple(values)))
         rows.append((f"list put, bs {bs}", fast, general, "test_pack_list.py"))
-        array = np.array(values, dtype=np.int64)
-        # a contiguous array of the target dtype is a memcpy; a strided one takes numpy's converting copy.
-        strided = np.repeat(array, 2)[::2]
-        fast = _median_us(_stage_with(pool, array))
-        general = _median_us(_stage_with(pool, strided))
-        rows.append((f"array put, bs {bs}", fast, general, "test_layout.py (numpy fields)"))
     transport = pool.transport
     if hasattr(transport, "resolve_for_stage"):
         fast = _median_us(lambda: transport.resolve_for_stage(None))

@@ -78,8 +78,38 @@ def _load(paths: str) -> dict[str, dict[str, Any]]:
     return merged
 
 
-def compare(old_paths: str, new_paths: str) -> None:
+#: Per table kind, the same-run reference each figure is divided by in the normalised gate: a
+#: peer measured in the same process moves with the machine, so the ratio does not.
+REFERENCE_COLUMNS = ("pinned µs", "uva-ring µs")
+
+
+def _normalised(table: dict[str, Any]) -> dict[str, Any]:
+    """Each µs / tokens/s median divided by the same run's reference (the pinned row or column)."""
+    rows = table["rows"]
+    ref_row = next((r for r in rows if str(r.get("mode", "")).startswith("pinned")), None)
+    ref_col = next((c for c in REFERENCE_COLUMNS if rows and c in rows[0]), None)
+    out = []
+    for row in rows:
+        cells: dict[str, Any] = {}
+        for column, cell in row.items():
+            value = _median(cell)
+            ref = (
+                _median(ref_row.get(column)) if ref_row is not None else _median(row.get(ref_col)) if ref_col else None
+            )
+            if value and ref and column != ref_col and row is not ref_row:
+                cells[column] = {"median": value / ref}
+            elif not isinstance(cell, dict):
+                cells[column] = cell
+        out.append(cells)
+    return {**table, "rows": out}
+
+
+def compare(old_paths: str, new_paths: str, normalise: bool = False) -> None:
     old, new = _load(old_paths), _load(new_paths)
+    if normalise:
+        print("(normalised: each figure over the same run's pinned row or column, or vLLM's ring)")
+        old = {t: _normalised(v) for t, v in old.items()}
+        new = {t: _normalised(v) for t, v in new.items()}
     worst = 0.0
     for title, table in new.items():
         if title not in old:
@@ -114,10 +144,11 @@ def main() -> int:
     c = sub.add_parser("compare")
     c.add_argument("old", help="the earlier tree's JSON, or several comma-separated (their medians averaged)")
     c.add_argument("new", help="this tree's JSON, or several comma-separated")
+    c.add_argument("--normalise", action="store_true", help="divide by a same-run peer first (see REFERENCE_COLUMNS)")
     args = parser.parse_args()
     if args.cmd == "run":
         return run(args.tree, args.workloads.split(","), args.json, args.repeats)
-    compare(args.old, args.new)
+    compare(args.old, args.new, args.normalise)
     return 0
 
 

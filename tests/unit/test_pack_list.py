@@ -94,8 +94,8 @@ def test_a_float_too_large_for_float32_is_refused_not_written_as_inf() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.float64, torch.int8])
 def test_the_fast_paths_land_what_the_general_path_lands(dtype: torch.dtype) -> None:
-    """Catches a fast path (struct-packed list, memcpy of a contiguous array) drifting from the general
-    path (numpy's converting write of a tuple or a strided array) on the same values."""
+    """Catches the struct fast path for lists drifting from the general path (numpy's converting write of a
+    tuple, a contiguous array, a strided one) on the same values."""
     rng = np.random.default_rng(0)
     np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
     values = (rng.integers(-100, 100, 37) if np_dtype.kind in "iu" else rng.normal(size=37)).astype(np_dtype)
@@ -106,7 +106,7 @@ def test_the_fast_paths_land_what_the_general_path_lands(dtype: torch.dtype) -> 
         landed = [
             st.put(values.tolist(), dtype),  # struct, where struct has the dtype
             st.put(tuple(values.tolist()), dtype),  # numpy's list parse
-            st.put(values, dtype),  # memcpy
+            st.put(values, dtype),  # numpy's copy
             st.put(strided, dtype),  # numpy's converting copy
         ]
     first = landed[0].clone()
