@@ -93,24 +93,10 @@ class PinnedRingBuffer:
         self._resolve_for_stage: Callable[[Stream | None], tuple[Stream, bool]] = getattr(
             self._transport, "resolve_for_stage", self._resolve_then_ask
         )
-        self._num_slots, slot_bytes = settings.num_slots, settings.slot_bytes
+        self._num_slots = settings.num_slots
         self._debug = settings.debug
-        self.host_slab = self._transport.alloc_host(slot_bytes * self._num_slots)
-        self.device_mirror = self._transport.alloc_device(slot_bytes * self._num_slots)
-        host_bytes = self.host_slab.numpy().data  # the whole slab as a writable memoryview
-        self._slots = [
-            SlotMemory(
-                self.host_slab[i * slot_bytes : (i + 1) * slot_bytes],
-                self.device_mirror[i * slot_bytes : (i + 1) * slot_bytes],
-                host_bytes,
-                i * slot_bytes,
-                settings.alignment,
-            )
-            for i in range(self._num_slots)
-        ]
-        self._fences: list[Fence] = [self._transport.new_fence() for _ in self._slots]
-        for mem, fence in zip(self._slots, self._fences, strict=True):
-            mem.fence = fence
+        self._slots = self._allocate(settings)
+        self._fences: list[Fence] = [mem.fence for mem in self._slots]
         # The mirror came from the caching allocator on the stream current now, which may still
         # have work queued on memory the block held before: that stream is every slot's first
         # "previous user", so a first stage on another stream waits for it.
@@ -125,8 +111,8 @@ class PinnedRingBuffer:
         if settings.zero_copy:
             self.platform, alias = self._transport.check_zero_copy(self.host_slab)
             if alias is not None and self.platform.zero_copy_ok:
-                for i, mem in enumerate(self._slots):
-                    mem.alias = alias[i * slot_bytes : (i + 1) * slot_bytes]
+                for mem in self._slots:
+                    mem.alias = alias[mem.host_base : mem.host_base + mem.nbytes]
         #: Whether kernels may read and write the pinned slots in place (zero-copy stages, landings).
         self.can_land = self._slots[0].alias is not None
         self._next_slot = 0
@@ -139,12 +125,26 @@ class PinnedRingBuffer:
             "pool.created",
             device=str(settings.device),
             num_slots=self._num_slots,
-            slot_bytes=slot_bytes,
+            slot_bytes=settings.slot_bytes,
             total_bytes=settings.total_bytes,
             pinned=self._transport.pinned,
             path=self._transport.path,
             **self.platform.log_fields(),
         )
+
+    def _allocate(self, settings: PoolSettings) -> list[SlotMemory]:
+        """The pinned slab, the device mirror and each slot's views of both, with its fence: made once."""
+        slot_bytes, transport = settings.slot_bytes, self._transport
+        self.host_slab = transport.alloc_host(slot_bytes * settings.num_slots)
+        self.device_mirror = transport.alloc_device(slot_bytes * settings.num_slots)
+        host_bytes = self.host_slab.numpy().data  # the whole slab as a writable memoryview
+        slots = []
+        for i in range(settings.num_slots):
+            span = slice(i * slot_bytes, (i + 1) * slot_bytes)
+            mem = SlotMemory(self.host_slab[span], self.device_mirror[span], host_bytes, span.start, settings.alignment)
+            mem.fence = transport.new_fence()
+            slots.append(mem)
+        return slots
 
     # -- what a user calls -------------------------------------------------------------
     @property
