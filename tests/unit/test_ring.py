@@ -334,3 +334,28 @@ def test_the_pool_does_not_keep_an_owned_buffer_alive_after_its_stage() -> None:
     gc.collect()
     assert gone() is None
     pool.close()
+
+
+@pytest.mark.parametrize("placement", ["ring", "owned"])
+def test_a_view_read_before_its_stages_copy_is_refused_and_debug_poisons_the_ring_region(placement: str) -> None:
+    """Catches the trap of reading a stage's device view inside the stage, before the copy: the view
+    still holds older bytes, so ``check_live`` must refuse it until ``flush``; in debug mode the
+    recycled ring region reads as poison (-1), never as a believable older value."""
+    pool = make_pool(debug=True)
+    with pool.stage() as st:  # lap 1 leaves real values in slot 0's device region
+        st.put([11, 12], torch.int64)
+    for _ in range(2):
+        with pool.stage() as other:  # slots 1 and 2: the ring comes round to slot 0 next
+            other.put([0], torch.int64)
+    kw = {"owned": 64} if placement == "owned" else {}
+    st = pool.stage(**kw)  # type: ignore[arg-type]
+    view = st.put([5, 6], torch.int64)
+    with pytest.raises(StaleLeaseError, match="before its copy was issued"):
+        st.check_live()
+    assert not st.is_live
+    if placement == "ring":
+        assert view.tolist() == [-1, -1]  # poisoned at claim, not slot 0's older 11, 12
+    st.flush()
+    st.check_live()
+    assert view.tolist() == [5, 6]
+    st.close()
