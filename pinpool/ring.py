@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 import torch
 
+from pinpool.cuda import transport_for
 from pinpool.encode import NUMPY_DTYPE, int_in_range, write
 from pinpool.exceptions import (
     CapacityError,
@@ -46,7 +47,7 @@ from pinpool.readback import Readback
 from pinpool.settings import PoolSettings
 from pinpool.stage import IN_PLACE, OWNED, RING, BlockSide, Placement, SlotMemory, Stage
 from pinpool.stats import Counters, PoolStats
-from pinpool.transport import Fence, Stream, Transport, transport_for, wait_for_streams
+from pinpool.transport import Fence, Stream, Transport, wait_for_streams
 
 _log = get_logger("pinpool")
 #: Why a stage or read-back is refused while a CUDA graph capture would take it.

@@ -89,7 +89,8 @@ def profile_pool(running: int) -> str:
 
 def pool_calls(mode: str, running: int, steps: int = 60) -> str:
     """Median µs per step of each pool call of the decode exchange, in the loop as it runs."""
-    from pinpool import readback, ring, stage, transport
+    from pinpool import cuda as transport
+    from pinpool import readback, ring, stage
     from pinpool.bench.engine import readback as engine_readback
     from pinpool.bench.engine import uploader
 

@@ -122,7 +122,7 @@ def replay_costs() -> None:
     import os
     import tempfile
 
-    from pinpool.transport import use_stream
+    from pinpool.cuda import use_stream
 
     hb = CONFIGS["host-bound"]
     for bs in (1, 4, 16, 64):

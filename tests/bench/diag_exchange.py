@@ -29,7 +29,8 @@ import torch
 
 from pinpool.bench.engine.bench import _engine, _requests
 from pinpool.bench.engine.loop import Engine
-from pinpool.transport import _current_stream_of, _is_capturing, _query, _record, wait_for_streams
+from pinpool.cuda import _current_stream_of, _is_capturing, _query, _record
+from pinpool.transport import wait_for_streams
 
 DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 

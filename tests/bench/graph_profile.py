@@ -126,7 +126,7 @@ def stage_micro(mode: str, bs: int, iters: int = 400) -> None:
     import statistics
     import time
 
-    from pinpool.transport import use_stream
+    from pinpool.cuda import use_stream
 
     mc = CANDIDATES["micro"]
     eng = GraphEngine(mc, mode, dev, EngineConfig(max_running=bs, kv_slots=1 << 20), GraphConfig(sizes=(bs,)))

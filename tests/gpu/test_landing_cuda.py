@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from pinpool import DeviceBlock, Field, Layout, PinnedRingBuffer, PoolSettings
+from pinpool.cuda import use_stream
 from pinpool.landing import land
 from pinpool.readback import Landing
-from pinpool.transport import Stream, use_stream
+from pinpool.transport import Stream
 
 ROWS = 16
 LAYOUT = Layout([Field("x", torch.int64, pad=-1), Field.landing("dst")], ROWS)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool.cuda import CudaTransport
 from pinpool.testing import no_sync
-from pinpool.transport import CudaTransport
 from tests.fakes import UnfencedTransport
 
 DEV = torch.device("cuda", 0)

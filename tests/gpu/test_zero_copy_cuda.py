@@ -22,10 +22,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pinpool import Field, Layout, PinnedRingBuffer, PoolSettings
+from pinpool.cuda import CudaTransport
 from pinpool.exceptions import PlatformError, UnguardedReaderError
 from pinpool.platform import device_alias
 from pinpool.stage import Placement
-from pinpool.transport import CudaTransport
 
 LAG = 2_000_000  # about 1 ms of GPU sleep per lagging step: the host runs far ahead
 STEPS = 200

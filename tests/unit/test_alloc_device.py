@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from pinpool import PinnedRingBuffer, PoolSettings, transport
+from pinpool import PinnedRingBuffer, PoolSettings
+from pinpool import cuda as transport
 from pinpool.testing import LaggingGpu
 
 

@@ -9,8 +9,8 @@ import torch
 
 from memcache import CacheIndexError, ReqToTokenPool, write_cache_indices
 from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolSettings, PoolStateError
+from pinpool.cuda import CudaTransport
 from pinpool.testing import LaggingGpu
-from pinpool.transport import CudaTransport
 
 
 def pool() -> PinnedRingBuffer:

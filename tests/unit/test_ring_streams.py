@@ -26,10 +26,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pinpool import DeviceMismatchError, Field, Layout, PinnedRingBuffer, PoolSettings
-from pinpool import transport as transport_module
+from pinpool import cuda as transport_module
+from pinpool.cuda import CudaTransport
 from pinpool.stage import Placement, Stage
 from pinpool.testing import LaggingGpu, SimStream
-from pinpool.transport import CudaTransport, Stream
+from pinpool.transport import Stream
 
 Read = tuple[int, Callable[[], None]]
 

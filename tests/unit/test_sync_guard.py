@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pinpool.cuda import is_pin_memory_available
 from pinpool.exceptions import HostSyncError
 from pinpool.testing import check_copy, no_sync
-from pinpool.transport import is_pin_memory_available
 
 CUDA = torch.device("cuda", 0)
 

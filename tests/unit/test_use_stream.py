@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pinpool import transport
+from pinpool import cuda as transport
 
 
 class FakeCuda:

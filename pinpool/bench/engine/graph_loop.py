@@ -48,8 +48,8 @@ from pinpool.bench.engine.loop import Engine, EngineConfig, StagingClock, _Batch
 from pinpool.bench.engine.model import ModelConfig, SleepModel, TinyDecoder
 from pinpool.bench.engine.readback import Pending, TokenReader
 from pinpool.bench.engine.requests import Request, accept_all
+from pinpool.cuda import use_stream
 from pinpool.readback import Landing
-from pinpool.transport import use_stream
 from sampling import SamplingBatchInfo
 from sampling.params import RECORD_DTYPE
 from sampling.static import sampling_columns
