@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -104,13 +105,16 @@ class Placed:
 
     __slots__ = ("cursor", "dst", "fields", "host_views", "landings", "layout", "nbytes", "views")
 
-    def __init__(self, layout: Layout, rows: int, mem: SlotMemory, dst: torch.Tensor) -> None:
+    def __init__(
+        self, layout: Layout, rows: int, mem: SlotMemory, dst: torch.Tensor, views: Mapping[str, torch.Tensor] | None
+    ) -> None:
         self.layout, self.dst = layout, dst  # held, so the ids in this entry's key stay theirs
         plan = layout.plan(rows)
         self.nbytes = plan.nbytes
         self.cursor = align_up(plan.nbytes, mem.alignment)
         self.host_views = layout.host_views(mem.host[torch.uint8], rows)
-        self.views = layout.device_views(dst, rows)
+        #: A block's own views where the layout lands in one (the tensors a graph captured).
+        self.views = dict(views) if views is not None else layout.device_views(dst, rows)
         at = [mem.host_base + off for off in plan.offsets]
         #: name -> (index, the field's first byte in the slab, dtype), input fields only.
         self.fields = {f.name: (i, at[i], f.dtype) for i, f in enumerate(layout.fields) if f.lands is None}
@@ -152,6 +156,8 @@ class BlockSide(Protocol):
     def after_copy(self, stream: Stream) -> None: ...
 
     def wait_for_readers(self, stream: Stream) -> None: ...
+
+    def views(self, rows: int) -> Mapping[str, torch.Tensor]: ...
 
 
 class Stage:
@@ -471,7 +477,7 @@ class Stage:
         key = ("layout", id(layout), id(dst), rows)  # ids: the entry holds both, so neither id is reused
         placed = mem.views.get(key) if self.placement is not OWNED else None
         if placed is None:
-            placed = Placed(layout, rows, mem, dst)
+            placed = Placed(layout, rows, mem, dst, self._block.views(rows) if self._block is not None else None)
             if placed.nbytes > self.capacity:
                 raise CapacityError(
                     f"a layout of {rows} rows needs {placed.nbytes} bytes but the stage has {self.capacity}; "

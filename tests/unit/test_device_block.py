@@ -967,3 +967,16 @@ def test_control_a_landing_fence_that_ignores_the_readers_reads_before_the_repla
     caught = sum(bool(_landing_plan(seed, LandingFenceIgnoresReaders)) for seed in range(30))
     print(f"landing fence without the readers: caught in {caught} of 30 seeds")
     assert caught >= 20, f"caught in only {caught} of 30 seeds"
+
+
+def test_a_block_stages_views_are_the_blocks_own_tensors() -> None:
+    """Catches a block stage handing out views at the block's addresses but as other tensor objects than
+    ``block.views(rows)`` (the ones a graph captured), which a caller comparing them would trip over."""
+    pool = PinnedRingBuffer(PoolSettings(device="cpu", num_slots=3, slot_bytes=1 << 12))
+    block = DeviceBlock(pool, Layout([Field("rows", torch.int64), Field("pos", torch.int32, pad=-1)], 8))
+    for _ in range(4):  # every slot, and a slot seen twice
+        with block.stage(4, 2) as st:
+            st.put("rows", [1, 2])
+            st.put("pos", [3, 4])
+            assert all(st.views[name] is view for name, view in block.views(4).items())
+    assert block.views(4)["pos"].tolist() == [3, 4, -1, -1]
