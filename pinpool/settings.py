@@ -34,6 +34,7 @@ OTHER_ENV = {
     "PINPOOL_SERVE_LOADS": "pinpool.bench.engine.serve_bench",
     "PINPOOL_SERVE_REQUESTS": "pinpool.bench.engine.serve_bench",
     "PINPOOL_GATE": "tests/bench/run_on_device.sh",
+    "PINPOOL_OLD_STREAMS": "tests/bench/run_on_device.sh",
     "PINPOOL_SERVE": "tests/bench/run_on_device.sh",
     "PINPOOL_SERVE_BOX": "tests/bench/run_on_device.sh",
     "PINPOOL_SERVE_SOAK": "tests/bench/run_on_device.sh",
