@@ -80,6 +80,16 @@ def make_step(mode: str, bs: int, device: torch.device, pool: PinnedRingBuffer |
 
 
 def workload(ctx: BenchContext) -> list[Table]:
+    threads = torch.get_num_threads()
+    if not ctx.is_cuda:  # a CPU copy above 32 KiB wakes torch's thread pool: ms per call, every mode alike
+        torch.set_num_threads(1)
+    try:
+        return _tables(ctx)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _tables(ctx: BenchContext) -> list[Table]:
     pool = PinnedRingBuffer(PoolSettings.from_env(device=ctx.device, num_slots=8, slot_bytes=1 << 20))
     modes = [m for m in MODES if m in ctx.modes]
     base = "pinned" if "pinned" in modes else "sync"
