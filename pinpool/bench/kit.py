@@ -10,7 +10,8 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
@@ -219,6 +220,19 @@ def host_us_spread(ctx: BenchContext, fn: Callable[[], Any], iters: int | None =
         ctx.synchronize()
         samples.append((time.perf_counter() - start) / n * 1e6)
     return Spread.of(samples)
+
+
+@contextmanager
+def one_thread_on_cpu(ctx: BenchContext) -> Iterator[None]:
+    """On a CPU run, torch on one thread for the block: a copy above 32 KiB wakes its thread pool,
+    which costs milliseconds per call and would swamp the host figures of every mode alike."""
+    threads = torch.get_num_threads()
+    if not ctx.is_cuda:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def host_allocs() -> int:

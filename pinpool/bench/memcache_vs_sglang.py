@@ -39,7 +39,7 @@ from memcache.req_to_token import ReqToTokenPool
 from memcache.write_cache import write_cache_indices
 from memcache.write_kernel import META_ROWS, launch_write_req_to_token
 from pinpool import PinnedRingBuffer, PoolSettings
-from pinpool.bench.kit import BenchContext, Spread, Table
+from pinpool.bench.kit import BenchContext, Spread, Table, one_thread_on_cpu
 from pinpool.bench.sglang_memcache import call_uploaded, caller_path, load
 
 #: The issue's batch sizes (1 to 4096), whatever ``--batch-sizes`` says.
@@ -215,13 +215,8 @@ def _same(ctx: BenchContext, case: dict[str, Any], mine: ReqToTokenPool, ref: Re
 
 def workload(ctx: BenchContext) -> list[Table]:
     write, source = load()
-    threads = torch.get_num_threads()
-    if not ctx.is_cuda:  # the pool's host-to-"device" copy above 32 KiB wakes torch's thread pool: ms on CPU
-        torch.set_num_threads(1)
-    try:
+    with one_thread_on_cpu(ctx):
         return _rows(ctx, write, source)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _rows(ctx: BenchContext, write: Any, source: str) -> list[Table]:

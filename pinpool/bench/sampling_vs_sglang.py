@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings
-from pinpool.bench.kit import BenchContext, Spread, Table
+from pinpool.bench.kit import BenchContext, Spread, Table, one_thread_on_cpu
 from pinpool.bench.sglang_sampling import SglangBatch, SglangReq, load, load_params_class, set_deterministic
 from sampling import sglang_params
 from sampling.batch_info import SamplingBatchInfo
@@ -289,13 +289,8 @@ def bias_device_table(ctx: BenchContext, pool: PinnedRingBuffer, sg_build: Any, 
 
 
 def workload(ctx: BenchContext) -> list[Table]:
-    threads = torch.get_num_threads()
-    if not ctx.is_cuda:  # a CPU stage's copy above 32 KiB wakes torch's thread pool: ms per call there
-        torch.set_num_threads(1)
-    try:
+    with one_thread_on_cpu(ctx):
         return _tables(ctx)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _tables(ctx: BenchContext) -> list[Table]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pinpool.bench.kit import BenchContext, Spread, Table, host_allocs, host_us_spread, ratio
+from pinpool.bench.kit import BenchContext, Spread, Table, host_allocs, host_us_spread, one_thread_on_cpu, ratio
 from pinpool.ring import PinnedRingBuffer
 from pinpool.settings import PoolSettings
 
@@ -80,13 +80,8 @@ def make_step(mode: str, bs: int, device: torch.device, pool: PinnedRingBuffer |
 
 
 def workload(ctx: BenchContext) -> list[Table]:
-    threads = torch.get_num_threads()
-    if not ctx.is_cuda:  # a CPU copy above 32 KiB wakes torch's thread pool: ms per call, every mode alike
-        torch.set_num_threads(1)
-    try:
+    with one_thread_on_cpu(ctx):
         return _tables(ctx)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _tables(ctx: BenchContext) -> list[Table]:
