@@ -44,11 +44,17 @@ def align_up(nbytes: int, align: int) -> int:
     return (nbytes + align - 1) // align * align
 
 
+def landing_itemsize(dtype: Any) -> int:
+    """The size of one landed ``dtype`` value; ``StagingTypeError`` for a dtype no landing carries."""
+    itemsize = LANDING_ITEMSIZE.get(dtype)
+    if itemsize is None:
+        raise StagingTypeError(f"'dtype' of a landing must be one of {list(map(str, LANDING_ITEMSIZE))} (got {dtype})")
+    return itemsize
+
+
 def landing_column(numel: int, dtype: torch.dtype) -> np.ndarray[Any, Any]:
     """int64 [numel]: each landed value's byte offset from the landing's start, plus its dtype tag."""
-    if dtype not in LANDING_ITEMSIZE:
-        raise StagingTypeError(f"'dtype' of a landing must be one of {list(map(str, LANDING_ITEMSIZE))} (got {dtype})")
-    return np.arange(numel, dtype=np.int64) * LANDING_ITEMSIZE[dtype] + LANDING_TAG[dtype]
+    return np.arange(numel, dtype=np.int64) * landing_itemsize(dtype) + LANDING_TAG[dtype]
 
 
 def _check_dtype(instance: Any, attribute: Any, value: Any) -> None:

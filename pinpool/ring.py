@@ -97,7 +97,6 @@ class PinnedRingBuffer:
         self._num_slots = settings.num_slots
         self._debug = settings.debug
         self._slots = self._allocate(settings)
-        self._fences: list[Fence] = [mem.fence for mem in self._slots]
         # The mirror came from the caching allocator on the stream current now, which may still
         # have work queued on memory the block held before: that stream is every slot's first
         # "previous user", so a first stage on another stream waits for it.
@@ -142,9 +141,8 @@ class PinnedRingBuffer:
         slots = []
         for i in range(settings.num_slots):
             span = slice(i * slot_bytes, (i + 1) * slot_bytes)
-            mem = SlotMemory(self.host_slab[span], self.device_mirror[span], host_bytes, span.start, settings.alignment)
-            mem.fence = transport.new_fence()
-            slots.append(mem)
+            host, device = self.host_slab[span], self.device_mirror[span]
+            slots.append(SlotMemory(host, device, host_bytes, span.start, settings.alignment, transport.new_fence()))
         return slots
 
     # -- what a user calls -------------------------------------------------------------
@@ -215,10 +213,10 @@ class PinnedRingBuffer:
         host_t, host_np, nbytes = self._readback_views(mem, src, 0)  # refused before anything is claimed
         slot = self._claim(stream, RING, writes_mirror=False)
         self._transport.copy(host_t, src, stream)
-        self._fences[slot].record(stream)
+        self._slots[slot].fence.record(stream)
         self._count_readback(nbytes)
         self._next_slot = (slot + 1) % self._num_slots
-        return Readback(self, slot, self._generation, self._fences[slot], host_np)
+        return Readback(self, slot, self._generation, self._slots[slot].fence, host_np)
 
     def register_consumer_stream(self, stream: Stream) -> None:
         """Protect staged views read on ``stream`` as well as on the stage's own (rule 2).
@@ -270,7 +268,7 @@ class PinnedRingBuffer:
         try:
             st = self._open
             if st is not None and (st.copy_issued or st.placement is IN_PLACE or st.landing_bytes):
-                self._fences[st.slot].record(st.stream)
+                self._slots[st.slot].fence.record(st.stream)
             self._drain()
         except Exception:  # interpreter shutdown: the CUDA context may already be gone
             return
@@ -352,8 +350,9 @@ class PinnedRingBuffer:
         if nbytes == 0:
             return
         mem = st._mem
+        # Keyed by the destination's id and held with it, so the id cannot be another tensor's.
         pair = mem.views.get(("copy", id(st.dst), nbytes)) if st.placement is not OWNED else None
-        if pair is None or pair[0] is not st.dst:
+        if pair is None:
             pair = (st.dst, st.dst[:nbytes], mem.host_raw[:nbytes])
             if st.placement is not OWNED:  # an owned buffer may be another one next time
                 mem.views.put(("copy", id(st.dst), nbytes), pair)
@@ -384,7 +383,7 @@ class PinnedRingBuffer:
             # Kernels on registered consumers read the slot in place or store into it: the
             # fence follows the work queued there so far.
             self._wait_for_consumers(slot, st.stream)
-        self._fences[slot].record(st.stream)
+        self._slots[slot].fence.record(st.stream)
         self._next_slot = (slot + 1) % self._num_slots
         counters.stages += 1
         counters.aborted_stages += not ok
@@ -438,9 +437,9 @@ class PinnedRingBuffer:
     def _copy_back(self, st: Stage, host_t: torch.Tensor, host_np: Any, src: torch.Tensor, nbytes: int) -> Readback:
         """A stage's read-back: one device-to-pinned copy on its stream, then the slot's fence."""
         self._transport.copy(host_t, src, st.stream)
-        self._fences[st.slot].record(st.stream)
+        self._slots[st.slot].fence.record(st.stream)
         self._count_readback(nbytes)
-        return Readback(self, st.slot, st.generation, self._fences[st.slot], host_np)
+        return Readback(self, st.slot, st.generation, self._slots[st.slot].fence, host_np)
 
     def _spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor:
         """Stage ``src`` through its own pinned buffer (``overflow='spill'``): correct, counted, logged, not free."""
@@ -464,7 +463,7 @@ class PinnedRingBuffer:
     def _claim(self, stream: Stream, placement: Placement, *, writes_mirror: bool) -> int:
         """The next slot, safe to write on the host and guarded on the device for ``stream``, under a new generation."""
         slot = self._next_slot
-        fence = self._fences[slot]
+        fence = self._slots[slot].fence
         # Rule 1: the host bytes may still feed a copy, receive a read-back or be read in
         # place. Bounded: only when the GPU is num_slots claims behind.
         if not fence.query():
@@ -528,7 +527,7 @@ class PinnedRingBuffer:
         for stream in [*self._last_stream, *(c for c, _ in self._consumers), *self._teardown_streams]:
             if not any(transport.same_stream(stream, seen) for seen in streams):
                 streams.append(stream)
-        fences = list(self._fences)
+        fences = [mem.fence for mem in self._slots]
         for stream in streams:
             fence = transport.new_fence()
             fence.record(stream)

@@ -29,9 +29,17 @@ import torch
 from pinpool.cache import BoundedCache
 from pinpool.encode import NUMPY_DTYPE, PACKERS, as_source, check_dtype, int_in_range, packer_for, write
 from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
-from pinpool.layout import LANDING_ITEMSIZE, VIEW_LIFETIME, HostImage, Layout, align_up, landing_column
+from pinpool.layout import (
+    LANDING_ITEMSIZE,
+    VIEW_LIFETIME,
+    HostImage,
+    Layout,
+    align_up,
+    landing_column,
+    landing_itemsize,
+)
 from pinpool.readback import Landing, Readback, SlotReads
-from pinpool.transport import Stream
+from pinpool.transport import Fence, Stream
 
 _ITEMSIZE = {d: d.itemsize for d in [*NUMPY_DTYPE, torch.bfloat16]}
 LAND_WITHOUT_FLUSH = (
@@ -76,7 +84,13 @@ class SlotMemory:
     )
 
     def __init__(
-        self, host_raw: torch.Tensor, device_raw: torch.Tensor, host_bytes: memoryview, host_base: int, alignment: int
+        self,
+        host_raw: torch.Tensor,
+        device_raw: torch.Tensor,
+        host_bytes: memoryview,
+        host_base: int,
+        alignment: int,
+        fence: Fence,
     ) -> None:
         self.host_raw = host_raw
         self.device_raw = device_raw
@@ -85,8 +99,8 @@ class SlotMemory:
         self.host_bytes = host_bytes
         self.host_base = host_base
         self.alignment = alignment
-        #: The slot's fence, recorded when a claim of it closes (the ring makes one per slot, for life).
-        self.fence: Any = None
+        #: The slot's fence, recorded when a claim of it closes: one per slot, for the pool's life.
+        self.fence = fence
         self.address: int = host_raw.data_ptr()
         self.nbytes: int = host_raw.numel()
         raw_np = host_raw.numpy()
@@ -354,15 +368,7 @@ class Stage:
                     except (struct.error, TypeError, OverflowError):
                         pass  # not exact as struct packs it: the general path converts or raises typed
                     else:
-                        # ``_advance`` inline: this is the per-request list of every decode step.
-                        self.used_bytes = end
-                        self._cursor = (end + mem.alignment - 1) & -mem.alignment
-                        if self.placement is OWNED:
-                            return self._owned_view(start, dtype, numel)
-                        hit = mem.views.get((id(self.dst), dtype, start, numel))
-                        if hit is not None:
-                            return hit[1]
-                        return self._keep_view(start, dtype, numel)
+                        return self._advance(start, dtype, numel, packer.size)
         src, target, shape = as_source(values, dtype, name)
         numel = math.prod(shape)
         start, nbytes = self._cursor, numel * _ITEMSIZE[target]
@@ -419,10 +425,9 @@ class Stage:
             self._ring._check_can_land()  # raises, saying why
         if not int_in_range(numel, 0):
             raise StagingValueError(f"'numel' must be an int >= 0 (got {numel!r})")
-        if dtype not in LANDING_ITEMSIZE:
-            landing_column(0, dtype)  # raises the typed error for a dtype no landing carries
+        itemsize = landing_itemsize(dtype)
         tail, cursor, used, landing_bytes = self.tail, self._cursor, self.used_bytes, self.landing_bytes
-        start = self._claim_tail(numel * LANDING_ITEMSIZE[dtype], "landing")
+        start = self._claim_tail(numel * itemsize, "landing")
         handle, column = self._new_landing(start, numel, dtype)
         try:
             at = self._cursor
@@ -517,11 +522,8 @@ class Stage:
         if (
             not isinstance(image, HostImage)
             or image.layout is not layout
-            or (image.rows, image.live)
-            != (
-                self.rows,
-                self.live,
-            )
+            or image.rows != self.rows
+            or image.live != self.live
         ):
             raise StagingValueError(
                 f"'image' must be this stage's layout.host_image({self.rows}, {self.live}) (got {image!r})"
@@ -550,9 +552,8 @@ class Stage:
     # -- internals ---------------------------------------------------------------------
     def _advance(self, start: int, dtype: torch.dtype, numel: int, nbytes: int) -> torch.Tensor:
         """Commit a claim of ``nbytes`` at ``start``: its device view, and the cursor past it."""
-        end = self.used_bytes = start + nbytes
-        align = self._mem.alignment
-        self._cursor = (end + align - 1) & -align
+        self.used_bytes = start + nbytes
+        self._cursor = align_up(self.used_bytes, self._mem.alignment)
         if self.placement is OWNED:
             return self._owned_view(start, dtype, numel)
         hit = self._mem.views.get((id(self.dst), dtype, start, numel))
@@ -605,9 +606,8 @@ class Stage:
         layout = self.layout
         if layout is not None:
             if self.live and self._written != layout.all_written:
-                missing = [
-                    f.name for i, f in enumerate(layout.fields) if not (self._written | ~layout.all_written) >> i & 1
-                ]
+                written = self._written
+                missing = [f.name for i, f in enumerate(layout.fields) if f.lands is None and not written >> i & 1]
                 self.close(ok=False)
                 raise PoolStateError(
                     f"every input field must be written each step (missing: {missing}); the slot still holds an "

@@ -49,7 +49,7 @@ def _min_decode(self: Engine) -> Any:
         if self._min_guard and _is_capturing is not None and _is_capturing():
             raise RuntimeError("capturing")
         slot = pool._next_slot
-        fence = pool._fences[slot]
+        fence = pool._slots[slot].fence
         if not fence.passed and not fence.query():
             fence.synchronize()
         last = pool._last_stream[slot]

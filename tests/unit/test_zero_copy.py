@@ -38,18 +38,18 @@ class FenceAtOpenRing(PinnedRingBuffer):
     def _open_stage(self, stream: Stream | None, placement: Placement, *args: Any, **kw: Any) -> Stage:
         opened = super()._open_stage(stream, placement, *args, **kw)
         if placement is Placement.IN_PLACE:
-            self._fences[opened.slot].record(opened.stream)
+            self._slots[opened.slot].fence.record(opened.stream)
         return opened
 
     def _finish(self, st_: Stage, ok: bool) -> None:
         if st_.placement is not Placement.IN_PLACE:
             super()._finish(st_, ok)
             return
-        fence, self._fences[st_.slot] = self._fences[st_.slot], self._transport.new_fence()
+        fence, self._slots[st_.slot].fence = self._slots[st_.slot].fence, self._transport.new_fence()
         try:
             super()._finish(st_, ok)
         finally:
-            self._fences[st_.slot] = fence
+            self._slots[st_.slot].fence = fence
 
 
 class ConsumersUncoveredRing(PinnedRingBuffer):

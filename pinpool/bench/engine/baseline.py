@@ -90,7 +90,7 @@ def write_cache_per_field(
     rtt: ReqToTokenPool,
     uploader: Uploader,
 ) -> None:
-    starts = np.concatenate([[0], np.cumsum(extend_lens)[:-1]]).astype(np.int64).tolist()
+    starts = np.concatenate([[0], np.cumsum(extend_lens)[:-1]]).astype(np.int64).tolist()  # sync-ok: numpy, host
     if rtt.device.type != "cuda":
         write_req_to_token_reference(
             rtt.req_to_token, rows, prefix_lens, seq_lens, starts, prefix_tensors, out_cache_loc

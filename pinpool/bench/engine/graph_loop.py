@@ -114,9 +114,8 @@ class _DeviceBatch:
         cols = sampling_columns(records)
         # As lists: the per-field pattern builds each tensor from Python values (torch cannot
         # pin a tensor made from a numpy array).
-        fields += [
-            (cols[name].tolist(), _TORCH_DTYPE.get(name, torch.int64)) for name in _SAMPLING
-        ]  # sync-ok: numpy arrays on the host, no device
+        # sync-ok: numpy arrays on the host, no device
+        fields += [(cols[name].tolist(), _TORCH_DTYPE.get(name, torch.int64)) for name in _SAMPLING]
         uploaded = up.upload("batch", fields)
         self.rows, self.positions = uploaded[0], uploaded[1]
         self.sampling = dict(zip(_SAMPLING, uploaded[2:], strict=True))

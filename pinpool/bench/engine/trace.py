@@ -78,7 +78,7 @@ def make_trace(cfg: TraceConfig, vocab_size: int, *, rid_base: int = 0) -> list[
     seeds = rng.integers(0, 2**31, n)
     requests = []
     for i in range(n):
-        prompt = rng.integers(0, vocab_size, int(prompt_lens[i])).tolist()
+        prompt = rng.integers(0, vocab_size, int(prompt_lens[i])).tolist()  # sync-ok: numpy, on the host
         params = SamplingParams(
             temperature=0.0 if greedy[i] else float(temperature[i]),
             top_p=float(top_p[i]),

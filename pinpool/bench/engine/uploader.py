@@ -52,6 +52,7 @@ class Uploader:
             with self.pool.stage() as st:
                 return [st.put(values, dtype) for values, dtype in fields]
         if self.mode == "sync":
+            # sync-ok: the synchronous mode under comparison, a pageable copy and a stream sync per field
             return [torch.tensor(values, dtype=dtype, device=self.device) for values, dtype in fields]
         if self.mode == "pinned":
             return [

@@ -79,7 +79,9 @@ def async_tensor_h2d(
         if pin and not t.is_pinned():
             t = torch.empty(t.shape, dtype=dtype or t.dtype, device="cpu", pin_memory=True).copy_(t)
     else:
-        t = torch.tensor(data, dtype=dtype, pin_memory=pin, device="cpu")
+        t = torch.tensor(
+            data, dtype=dtype, pin_memory=pin, device="cpu"
+        )  # sync-ok: a host tensor, as vLLM's helper makes
     if out is not None:
         return out.copy_(t, non_blocking=True)
     return t.to(device=device, dtype=dtype, non_blocking=True)
