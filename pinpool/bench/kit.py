@@ -19,6 +19,9 @@ import torch
 
 from pinpool.bench.stderr_log import log_to_stderr, stderr_level
 
+#: When this process imported the kit (the zero of the progress lines' clock).
+_STARTED = time.perf_counter()
+
 #: The staging modes ``pinpool bench`` compares, and what each one is.
 MODES: dict[str, str] = {
     "sync": "torch.tensor(values, device=...) per field: a pageable copy that blocks the host",  # sync-ok: text
@@ -61,7 +64,8 @@ class BenchContext:
 
     def progress(self, message: str) -> None:
         if self.verbose:
-            print(f"  .. {message}", file=sys.stderr, flush=True)
+            # The process's clock in each line: a boxed run killed mid-way still says where its time went.
+            print(f"  .. [{time.perf_counter() - _STARTED:7.1f} s] {message}", file=sys.stderr, flush=True)
 
     def synchronize(self) -> None:
         if self.is_cuda:
