@@ -242,6 +242,20 @@ def _counts(ctx: BenchContext, config: str, load: Load, n: int) -> dict[ServeMod
     return dict(zip(SERVE_MODES, counted, strict=True)) if counted is not None else {}
 
 
+def _differences(per_mode: dict[ServeMode, list[dict[str, Any]]], first: dict[int, list[int]]) -> str:
+    """Which rounds' streams differ from pinned+graph's first round: requests differing, the first one and where."""
+    said = []
+    for mode, results in per_mode.items():
+        for r, result in enumerate(results):
+            outputs = result["outputs"]
+            bad = sorted(rid for rid in first if outputs.get(rid) != first[rid])
+            if bad:
+                a, b = first[bad[0]], outputs.get(bad[0], [])
+                at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                said.append(f"{LABELS[mode]} round {r + 1}: {len(bad)} requests, first {bad[0]} at token {at}")
+    return "; ".join(said) or "the same requests, other keys"
+
+
 def _spread(results: list[dict[str, Any]], key: str) -> Spread | None:
     values = [r[key] for r in results if np.isfinite(r[key])]
     return Spread.of(values) if values else None
@@ -277,7 +291,8 @@ def _table(
     source: str,
 ) -> Table:
     first = per_mode["pinned"][0]["outputs"]
-    same = all(r["outputs"] == first for results in per_mode.values() for r in results)
+    identical = all(r["outputs"] == first for results in per_mode.values() for r in results)
+    same = "True" if identical else f"False ({_differences(per_mode, first)})"
     med = {m: {k: statistics.median(r[k] for r in res) for k in ("tok_s", "tpot99")} for m, res in per_mode.items()}
     pool = med["pool"]
     rows = []
