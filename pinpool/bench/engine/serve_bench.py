@@ -21,7 +21,8 @@ waits (a host blocked inside a CUDA call, a full launch queue, still counts as h
 ``H2D bytes/step`` come from a profiled pass in a child process (UVA reads are not copies
 and are not counted). Knobs: ``PINPOOL_SERVE_CONFIGS=host-bound`` runs a subset,
 ``PINPOOL_SERVE_LOADS=light,saturating`` too, ``PINPOOL_SERVE_REQUESTS`` sets requests per
-256-running trace (the 1024 load takes four times as many).
+256-running trace (the 1024 load takes four times as many), ``PINPOOL_SERVE_DTYPE`` the
+model's dtype, ``PINPOOL_SERVE_COUNTS=0`` leaves out the counting passes.
 """
 
 from __future__ import annotations
@@ -181,6 +182,8 @@ def workload(ctx: BenchContext) -> list[Table]:
     tables = []
     for config in configs:
         model_cfg = CONFIGS[config] if ctx.is_cuda else CPU_MODEL
+        if os.environ.get("PINPOOL_SERVE_DTYPE"):  # e.g. float32: is a difference in the streams rounding?
+            model_cfg = attrs.evolve(model_cfg, dtype=os.environ["PINPOOL_SERVE_DTYPE"])
         model = TinyDecoder(model_cfg, ctx.device)
         for max_running in sorted({ld.max_running for ld in loads if config in ld.configs}):
             mine = [ld for ld in loads if ld.max_running == max_running and config in ld.configs]
@@ -235,7 +238,7 @@ def _rounds(
 
 
 def _counts(ctx: BenchContext, config: str, load: Load, n: int) -> dict[ServeMode, dict[str, float]]:
-    if not ctx.is_cuda:
+    if not ctx.is_cuda or os.environ.get("PINPOOL_SERVE_COUNTS") == "0":
         return {}
     jobs = [(str(ctx.device), config, m, load, n) for m in SERVE_MODES]
     counted = counted_or_none(count, jobs)
