@@ -5,7 +5,7 @@ prompts, Pareto outputs) is served by ``engine.serve.ServeEngine`` in four modes
 ``pinned+graph``, ``sglang+graph``, ``vllm+graph`` and ``pool+graph``. Configs (``CONFIGS``):
 
 - ``host-bound``: the draft-sized model of ``decode_graph`` (hidden 128, 1 layer, 2k vocabulary);
-- ``GPU-bound``: a 0.6B-shaped model (hidden 1024, 28 layers, 152k vocabulary).
+- ``GPU-bound``: a 0.6B-shaped model (hidden 1024, 28 layers, 152k vocabulary, float32).
 
 Loads (``LOADS``): three arrival rates at 256 running, light to saturating, and a
 1024-running saturating load for the host-bound config (its KV cache is small). On CPU
@@ -49,8 +49,11 @@ from pinpool.bench.kit import BenchContext, Spread, Table, counted_or_none, rati
 
 CONFIGS = {
     "host-bound": GRAPH_CONFIGS["host-bound"],
+    # float32: in bfloat16 this model's streams differed between rounds of every mode, pinned+graph's
+    # too (a rounding difference flips a 152k-way argmax; the staging is not involved), and the
+    # token check is the bench's proof that the modes compute the same thing.
     "GPU-bound": ModelConfig(
-        hidden=1024, layers=28, heads=16, ffn=3072, vocab_size=151_936, max_context_len=160, dtype="bfloat16"
+        hidden=1024, layers=28, heads=16, ffn=3072, vocab_size=151_936, max_context_len=160, dtype="float32"
     ),
 }
 #: Every config on CPU: the CI smoke runs the loop, not the model.
