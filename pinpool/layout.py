@@ -132,22 +132,23 @@ class Layout:
         #: The bit mask of a step that wrote every input field (landing fields write themselves).
         self.all_written = sum(1 << i for i, f in enumerate(fields) if f.lands is None)
         self.itemsizes = [int(NUMPY_DTYPE[f.dtype].itemsize) for f in fields]
-        # One plan per row count, made on first use: bounded by max_rows.
-        self._plans: dict[int, Plan] = {}
+
+    def check_rows(self, rows: Any) -> None:
+        """A typed error for a row count outside ``[0, max_rows]``."""
+        if not int_in_range(rows, 0, self.max_rows):
+            raise StagingValueError(f"'rows' must be an int in [0, max_rows={self.max_rows}] (got {rows!r})")
 
     def plan(self, rows: int) -> Plan:
-        """Where every field sits for ``rows`` padded rows (``0 <= rows <= max_rows``)."""
-        plan = self._plans.get(rows) if type(rows) is int else None  # 4.0 and True hash as ints
-        if plan is None:
-            if not int_in_range(rows, 0, self.max_rows):
-                raise StagingValueError(f"'rows' must be an int in [0, max_rows={self.max_rows}] (got {rows!r})")
-            offsets, cursor = [], 0
-            for size in self.itemsizes:
-                offsets.append(cursor)
-                cursor = align_up(cursor + rows * size, FIELD_ALIGN)
-            end = offsets[-1] + rows * self.itemsizes[-1]
-            plan = self._plans[rows] = Plan(rows, tuple(offsets), end)
-        return plan
+        """Where every field sits for ``rows`` padded rows (``0 <= rows <= max_rows``).
+
+        Computed on each call, not kept: a stage keeps what it needs with its slot (``Placed``).
+        """
+        self.check_rows(rows)
+        offsets, cursor = [], 0
+        for size in self.itemsizes:
+            offsets.append(cursor)
+            cursor = align_up(cursor + rows * size, FIELD_ALIGN)
+        return Plan(rows, tuple(offsets), offsets[-1] + rows * self.itemsizes[-1])
 
     def nbytes(self, rows: int) -> int:
         """Bytes one step copies for ``rows`` padded rows."""

@@ -32,7 +32,6 @@ import torch
 from pinpool.cuda import transport_for
 from pinpool.encode import NUMPY_DTYPE, int_in_range, write
 from pinpool.exceptions import (
-    CapacityError,
     DeviceMismatchError,
     PoolStateError,
     SettingsTypeError,
@@ -45,7 +44,8 @@ from pinpool.log import get_logger
 from pinpool.platform import PlatformReport
 from pinpool.readback import Readback
 from pinpool.settings import PoolSettings
-from pinpool.stage import IN_PLACE, OWNED, RING, BlockSide, Placement, SlotMemory, Stage
+from pinpool.slot import SlotMemory
+from pinpool.stage import IN_PLACE, OWNED, RING, BlockSide, Placement, Stage
 from pinpool.stats import Counters, PoolStats
 from pinpool.transport import Fence, Stream, Transport, wait_for_streams
 
@@ -210,7 +210,7 @@ class PinnedRingBuffer:
         if capturing:
             raise PoolStateError(CAPTURE_REFUSAL)
         mem = self._slots[self._next_slot]
-        host_t, host_np, nbytes = self._readback_views(mem, src, 0)  # refused before anything is claimed
+        host_t, host_np, nbytes = mem.readback_views(src, 0, self.device)  # refused before anything is claimed
         slot = self._claim(stream, RING, writes_mirror=False)
         self._transport.copy(host_t, src, stream)
         self._slots[slot].fence.record(stream)
@@ -317,7 +317,7 @@ class PinnedRingBuffer:
             live = rows if live is None else live
             if rows is None:
                 raise PoolStateError("a stage with a layout needs 'rows' (or 'live')")
-            layout.plan(rows)  # typed error for a bad ``rows``, before the claim
+            layout.check_rows(rows)  # typed errors before the claim
             if not int_in_range(live, 0, rows):  # and for a bad ``live``
                 raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
             if layout.landings and not self.can_land:
@@ -409,30 +409,6 @@ class PinnedRingBuffer:
         """Have ``close()`` also wait for ``stream`` (a block's readers, whose replays may store into a slot)."""
         if not any(self._transport.same_stream(stream, s) for s in self._teardown_streams):
             self._teardown_streams.append(stream)
-
-    def _readback_views(self, mem: SlotMemory, src: torch.Tensor, offset: int) -> tuple[torch.Tensor, Any, int]:
-        """(pinned torch view, numpy view, bytes) a read-back of ``src`` at ``offset`` copies into; typed errors."""
-        key = ("readback", src.dtype, src.shape, offset) if type(src) is torch.Tensor else None
-        hit = mem.views.get(key) if key is not None else None
-        if hit is not None and src.device == self.device and src.is_contiguous():
-            return hit  # type: ignore[no-any-return]
-        if not isinstance(src, torch.Tensor):
-            raise PoolStateError(f"'src' must be a torch.Tensor (got {type(src).__name__})")
-        if src.device != self.device:
-            raise DeviceMismatchError(f"'src' must be on the pool's device {self.device} (got {src.device})")
-        if src.dtype not in NUMPY_DTYPE or not src.is_contiguous():
-            raise PoolStateError(f"'src' must be contiguous with a numpy dtype (got {src.dtype})")
-        nbytes = src.nbytes
-        if offset + nbytes > mem.nbytes:
-            raise CapacityError(
-                f"'src' needs {nbytes} bytes but the slot has {mem.nbytes - offset} of {mem.nbytes} left; "
-                "raise PoolSettings.slot_bytes"
-            )
-        first = offset // src.element_size()
-        host_np = mem.host[src.dtype][first : first + src.numel()].reshape(src.shape)
-        host_t = mem.host_raw[offset : offset + nbytes].view(src.dtype).view(src.shape)
-        views = (host_t, host_np, nbytes)
-        return views if key is None else mem.views.put(key, views)
 
     def _copy_back(self, st: Stage, host_t: torch.Tensor, host_np: Any, src: torch.Tensor, nbytes: int) -> Readback:
         """A stage's read-back: one device-to-pinned copy on its stream, then the slot's fence."""

@@ -26,20 +26,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from pinpool.cache import BoundedCache
 from pinpool.encode import NUMPY_DTYPE, PACKERS, as_source, check_dtype, int_in_range, packer_for, write
 from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
-from pinpool.layout import (
-    LANDING_ITEMSIZE,
-    VIEW_LIFETIME,
-    HostImage,
-    Layout,
-    align_up,
-    landing_column,
-    landing_itemsize,
-)
+from pinpool.layout import LANDING_ITEMSIZE, VIEW_LIFETIME, HostImage, Layout, align_up, landing_itemsize
+from pinpool.layout_step import LayoutStep, no_layout
 from pinpool.readback import Landing, Readback, SlotReads
-from pinpool.transport import Fence, Stream
+from pinpool.slot import Placed, SlotMemory, typed_view
+from pinpool.transport import Stream
 
 _ITEMSIZE = {d: d.itemsize for d in [*NUMPY_DTYPE, torch.bfloat16]}
 LAND_WITHOUT_FLUSH = (
@@ -66,97 +59,18 @@ OPEN, FLUSHED, CLOSED, ABORTED = State.OPEN, State.FLUSHED, State.CLOSED, State.
 RING, OWNED, BLOCK, IN_PLACE = Placement.RING, Placement.OWNED, Placement.BLOCK, Placement.IN_PLACE
 
 
-class SlotMemory:
-    """One slot's pinned bytes (as torch, numpy and the slab's memoryview) and the device memory it copies to."""
-
-    __slots__ = (
-        "address",
-        "alias",
-        "alignment",
-        "device_raw",
-        "fence",
-        "host",
-        "host_base",
-        "host_bytes",
-        "host_raw",
-        "nbytes",
-        "views",
-    )
-
-    def __init__(
-        self,
-        host_raw: torch.Tensor,
-        device_raw: torch.Tensor,
-        host_bytes: memoryview,
-        host_base: int,
-        alignment: int,
-        fence: Fence,
-    ) -> None:
-        self.host_raw = host_raw
-        self.device_raw = device_raw
-        #: The device-readable alias of the pinned bytes (UVA), once the platform check passed.
-        self.alias: torch.Tensor | None = None
-        self.host_bytes = host_bytes
-        self.host_base = host_base
-        self.alignment = alignment
-        #: The slot's fence, recorded when a claim of it closes: one per slot, for the pool's life.
-        self.fence = fence
-        self.address: int = host_raw.data_ptr()
-        self.nbytes: int = host_raw.numel()
-        raw_np = host_raw.numpy()
-        self.host: dict[torch.dtype, Any] = {d: raw_np.view(n) for d, n in NUMPY_DTYPE.items()}
-        #: A decode step repeats its puts and its layout at the same offsets of a slot: the
-        #: views they make are kept here, keyed by what they cover.
-        self.views: BoundedCache[tuple[Any, ...], Any] = BoundedCache()
-
-
-class Placed:
-    """A layout for ``rows`` rows placed in one slot and one destination: views and byte positions, made once.
-
-    A decode step opens the same layout at the same size in the same slot lap after lap: the
-    slot keeps this (``SlotMemory.views``), so a step's puts are a dict lookup and a pack.
-    """
-
-    __slots__ = ("cursor", "dst", "fields", "host_views", "landings", "layout", "nbytes", "views")
-
-    def __init__(
-        self, layout: Layout, rows: int, mem: SlotMemory, dst: torch.Tensor, views: Mapping[str, torch.Tensor] | None
-    ) -> None:
-        self.layout, self.dst = layout, dst  # held, so the ids in this entry's key stay theirs
-        plan = layout.plan(rows)
-        self.nbytes = plan.nbytes
-        self.cursor = align_up(plan.nbytes, mem.alignment)
-        self.host_views = layout.host_views(mem.host[torch.uint8], rows)
-        #: A block's own views where the layout lands in one (the tensors a graph captured).
-        self.views = dict(views) if views is not None else layout.device_views(dst, rows)
-        at = [mem.host_base + off for off in plan.offsets]
-        #: name -> (index, the field's first byte in the slab, dtype), input fields only.
-        self.fields = {f.name: (i, at[i], f.dtype) for i, f in enumerate(layout.fields) if f.lands is None}
-        #: (index, first byte in the slab, landed dtype) of each landing field.
-        self.landings = tuple((i, at[i], layout.fields[i].lands) for i in layout.landings)
-
-
 class RingSide(SlotReads, Protocol):
     """What a stage asks of its ring: private to the package (``PinnedRingBuffer`` is the one implementation)."""
 
     @property
     def settings(self) -> Any: ...
-
     @property
     def device(self) -> torch.device: ...
-
     def _issue_copy(self, st: Stage) -> None: ...
-
     def _finish(self, st: Stage, ok: bool) -> None: ...
-
     def _retain(self, slot: int, objs: tuple[Any, ...]) -> None: ...
-
     def _spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor: ...
-
-    def _readback_views(self, mem: SlotMemory, src: torch.Tensor, offset: int) -> tuple[torch.Tensor, Any, int]: ...
-
     def _copy_back(self, st: Stage, host_t: torch.Tensor, host_np: Any, src: torch.Tensor, nbytes: int) -> Readback: ...
-
     def _check_can_land(self) -> None: ...
 
     can_land: bool
@@ -166,11 +80,8 @@ class BlockSide(Protocol):
     """What a ``BLOCK`` stage asks of its ``DeviceBlock`` around the copy."""
 
     def before_copy(self, stream: Stream) -> None: ...
-
     def after_copy(self, stream: Stream) -> None: ...
-
     def wait_for_readers(self, stream: Stream) -> None: ...
-
     def views(self, rows: int) -> Mapping[str, torch.Tensor]: ...
 
 
@@ -192,23 +103,17 @@ class Stage:
 
     __slots__ = (
         "_block",
-        "_columns",
         "_cursor",
         "_landings",
         "_mem",
-        "_padded",
-        "_placed",
         "_ring",
-        "_written",
+        "_step",
         "capacity",
         "copy_issued",
         "dst",
         "generation",
         "landing_bytes",
-        "layout",
-        "live",
         "placement",
-        "rows",
         "slot",
         "state",
         "stream",
@@ -228,30 +133,37 @@ class Stage:
         block: BlockSide | None = None,
     ) -> None:
         self._ring, self._mem, self.slot, self.generation = ring, mem, slot, generation
-        #: The stream of this stage's copy, fence and read-backs, fixed at open.
-        self.stream = stream
+        self.stream = stream  # of the copy, the fence and the read-backs, fixed at open
         self.placement = placement
-        #: The device memory the views are carved from and the copy lands in.
-        self.dst = dst
+        self.dst = dst  # the device memory the views are carved from and the copy lands in
         self._block = block
-        #: Landing bytes are claimed from the slot's end down, outside the copied bytes.
+        # Landing bytes are claimed from the slot's end down, outside the copied bytes.
         self.tail = nbytes = mem.nbytes
         self.capacity = nbytes if placement is RING or placement is IN_PLACE else min(nbytes, dst.numel())
         self._cursor = self.used_bytes = 0
         self.landing_bytes = self.copy_issued = False
         self.state = OPEN
         self._landings: list[Landing] = []
-        self.layout: Layout | None = None
-        self.rows = self.live = 0
-        # A layout's state (``_placed``, ``_written``, ``_padded``, ``_columns``) is set by
-        # ``open_layout``: a plain stage never reads it.
-        self._placed: Placed | None = None
+        self._step: LayoutStep | None = None  # a layout's step, set by ``open_layout``
 
     @property
     def views(self) -> dict[str, torch.Tensor]:
         """With a layout: name -> each field's device view of ``rows`` elements (empty without one)."""
-        placed = self._placed
-        return placed.views if placed is not None else {}
+        return self._step.placed.views if self._step is not None else {}
+
+    @property
+    def layout(self) -> Layout | None:
+        return self._step.layout if self._step is not None else None
+
+    @property
+    def rows(self) -> int:
+        """With a layout: the padded row count (0 without one)."""
+        return self._step.rows if self._step is not None else 0
+
+    @property
+    def live(self) -> int:
+        """With a layout: how many of the rows are real (0 without one)."""
+        return self._step.live if self._step is not None else 0
 
     # -- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> Stage:
@@ -270,10 +182,9 @@ class Stage:
 
     def close(self, ok: bool = True) -> None:
         """Finish the stage: the copy if not issued yet (``ok``), then the slot's fence; or abort."""
-        state = self.state
-        if state is CLOSED or state is ABORTED:
+        if self.state is CLOSED or self.state is ABORTED:
             return
-        if ok and state is OPEN:
+        if ok and self.state is OPEN:
             if self._landings and self.placement is not IN_PLACE and any(h.size for h in self._landings):
                 # The copy would carry live addresses that a kernel launched after close
                 # could still store through, past the slot's fence: abort instead.
@@ -313,32 +224,28 @@ class Stage:
 
     @property
     def is_live(self) -> bool:
-        """Whether the device views hold this stage's values for a kernel queued now.
-
-        False before the copy is issued (the views still hold older bytes), once the slot was
-        recycled (ring) and once the stage closed (in place: its fence covers only readers
-        launched before close).
-        """
-        placement = self.placement
-        if placement is IN_PLACE:
+        """Whether the device views hold this stage's values for a kernel queued now: not before the
+        copy is issued, not once the slot was recycled (ring), not after close (in place)."""
+        if self.placement is IN_PLACE:
             return self.is_open and self._ring.slot_generation(self.slot) == self.generation
         if self.state is OPEN:
             return False
-        return placement is not RING or self._ring.slot_generation(self.slot) == self.generation
+        return self.placement is not RING or self._ring.slot_generation(self.slot) == self.generation
 
     def check_live(self, what: str = "staged slice") -> None:
-        if not self.is_live:
-            if self.state is OPEN and self.placement is not IN_PLACE:
-                raise StaleLeaseError(
-                    f"{what} of stage {self.generation} (slot {self.slot}) was used before its copy was issued: "
-                    "the device view still holds older bytes; flush() first, then launch its readers"
-                )
-            after = "its stage closed" if self.placement is IN_PLACE else "its slot was recycled"
+        if self.is_live:
+            return
+        where = f"{what} of stage {self.generation} (slot {self.slot}) was used"
+        if self.state is OPEN and self.placement is not IN_PLACE:
             raise StaleLeaseError(
-                f"{what} of stage {self.generation} (slot {self.slot}) was used after {after}; ring views live "
-                f"{VIEW_LIFETIME}, zero-copy views until close; stage data that must live longer in an owned "
-                "stage (owned=)"
+                f"{where} before its copy was issued: the device view still holds older bytes; flush() first, "
+                "then launch its readers"
             )
+        after = "its stage closed" if self.placement is IN_PLACE else "its slot was recycled"
+        raise StaleLeaseError(
+            f"{where} after {after}; ring views live {VIEW_LIFETIME}, zero-copy views until close; stage data "
+            "that must live longer in an owned stage (owned=)"
+        )
 
     # -- ad-hoc values -----------------------------------------------------------------
     def put(self, values: Any, dtype: Any = None, *, name: str = "values") -> Any:
@@ -351,49 +258,47 @@ class Stage:
         if self.state is not OPEN:
             self._check_open()
         if type(values) is str:
-            self._put_field(values, dtype)
+            if self._step is None:
+                raise no_layout(values)
+            self._step.put(values, dtype)
             return None
         if type(values) is list and type(dtype) is torch.dtype:
             # A scheduler's per-request list: struct checks each element (ints in range,
             # floats that fit) and packs it straight into the slot.
-            numel = len(values)
-            packer = PACKERS.get((dtype, numel)) or packer_for(dtype, numel)
+            packer = PACKERS.get((dtype, len(values))) or packer_for(dtype, len(values))
             start = self._cursor
-            if packer is not None:
-                end = start + packer.size
-                if end <= self.capacity and end <= self.tail:
-                    mem = self._mem
-                    try:
-                        packer.pack_into(mem.host_bytes, mem.host_base + start, *values)
-                    except (struct.error, TypeError, OverflowError):
-                        pass  # not exact as struct packs it: the general path converts or raises typed
-                    else:
-                        return self._advance(start, dtype, numel, packer.size)
+            if packer is not None and start + packer.size <= min(self.capacity, self.tail):
+                mem = self._mem
+                try:
+                    packer.pack_into(mem.host_bytes, mem.host_base + start, *values)
+                except (struct.error, TypeError, OverflowError):
+                    pass  # not exact as struct packs it: the general path converts or raises typed
+                else:
+                    return self._advance(start, dtype, len(values), packer.size)
         src, target, shape = as_source(values, dtype, name)
         numel = math.prod(shape)
         start, nbytes = self._cursor, numel * _ITEMSIZE[target]
         if start + nbytes > min(self.capacity, self.tail):
-            if self._ring.settings.overflow.value == "spill" and self.placement is not IN_PLACE:
-                device = self._ring._spill(self, src, target, numel, name)  # raises before queueing on bad values
-                self.copy_issued = True
-                return device if len(shape) == 1 else device.view(shape)
-            raise CapacityError(self._capacity_message(nbytes, name))
-        if target is torch.bfloat16:
-            host: Any = self._mem.host_raw[start : start + nbytes].view(torch.bfloat16)
+            if self._ring.settings.overflow.value != "spill" or self.placement is IN_PLACE:
+                raise CapacityError(self._capacity_message(nbytes, name))
+            device = self._ring._spill(self, src, target, numel, name)  # raises before queueing on bad values
+            self.copy_issued = True
         else:
-            first = start // _ITEMSIZE[target]
-            host = self._mem.host[target][first : first + numel]
-        write(host, src, target, name)
-        device = self._advance(start, target, numel, nbytes)
+            if target is torch.bfloat16:
+                host: Any = self._mem.host_raw[start : start + nbytes].view(torch.bfloat16)
+            else:
+                first = start // _ITEMSIZE[target]
+                host = self._mem.host[target][first : first + numel]
+            write(host, src, target, name)
+            device = self._advance(start, target, numel, nbytes)
         return device if len(shape) == 1 else device.view(shape)
 
     def reserve(
         self, numel: int, dtype: torch.dtype, *, name: str = "values"
     ) -> tuple[np.ndarray[Any, Any], torch.Tensor]:
-        """Claim ``numel`` elements: (numpy host view to fill in place, device view they land in).
+        """Claim ``numel`` elements: (numpy host view to fill in place before the copy, device view).
 
-        For callers that pack records themselves; numpy dtypes only. The host view is valid
-        until the copy is issued. Never spills: ``CapacityError`` when it does not fit.
+        For callers that pack records themselves; numpy dtypes only; never spills.
         """
         if self.state is not OPEN:
             self._check_open()
@@ -402,22 +307,21 @@ class Stage:
             raise StagingTypeError(f"'{name}' reserve() needs a numpy dtype (got {target}); use put() for it")
         if not int_in_range(numel, 0):
             raise StagingValueError(f"'{name}' numel must be an int >= 0 (got {numel!r})")
-        start = align_up(self._cursor, _ITEMSIZE[target])
-        nbytes = numel * _ITEMSIZE[target]
+        itemsize = _ITEMSIZE[target]
+        start, nbytes = align_up(self._cursor, itemsize), numel * itemsize
         if start + nbytes > min(self.capacity, self.tail):
             raise CapacityError(self._capacity_message(nbytes, name))
-        first = start // _ITEMSIZE[target]
-        host = self._mem.host[target][first : first + numel]
+        host = self._mem.host[target][start // itemsize : start // itemsize + numel]
         return host, self._advance(start, target, numel, nbytes)
 
     def land(self, numel: int, dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, Landing]:
         """Have a kernel store ``numel`` values straight into this slot: (int64 device addresses, handle).
 
-        The values' bytes are claimed at the slot's end (outside the copy), and each one's
-        pinned host address is put in the copy: pass that view to the writer
-        (``pinpool.landing.land``, or the sampler's ``land_to``), launch it after ``flush``
-        and before close, on the stage's stream or a registered consumer. The handle reads
-        the values after a successful close. Needs ``PoolSettings(zero_copy=True)``.
+        The values' bytes are claimed at the slot's end (outside the copy); their pinned
+        addresses go in the copy. Pass that view to the writer (``pinpool.landing.land``, the
+        sampler's ``land_to``) and launch it after ``flush`` and before close, on the stage's
+        stream or a registered consumer; the handle reads the values after a successful
+        close. Needs ``PoolSettings(zero_copy=True)``.
         """
         if self.state is not OPEN:
             self._check_open()
@@ -426,20 +330,17 @@ class Stage:
         if not int_in_range(numel, 0):
             raise StagingValueError(f"'numel' must be an int >= 0 (got {numel!r})")
         itemsize = landing_itemsize(dtype)
-        tail, cursor, used, landing_bytes = self.tail, self._cursor, self.used_bytes, self.landing_bytes
-        start = self._claim_tail(numel * itemsize, "landing")
-        handle, column = self._new_landing(start, numel, dtype)
+        before = self.tail, self._cursor, self.used_bytes, self.landing_bytes
+        handle, column = self._new_landing(self._claim_tail(numel * itemsize, "landing"), numel, dtype)
         try:
-            at = self._cursor
-            end = at + len(column)
-            if end <= self.capacity and end <= self.tail:
-                mem = self._mem
+            at, mem = self._cursor, self._mem
+            if at + len(column) <= min(self.capacity, self.tail):
                 mem.host_bytes[mem.host_base + at : mem.host_base + at + len(column)] = column
                 addresses = self._advance(at, torch.int64, numel, len(column))
             else:  # as a put that does not fit: spilled where the pool spills, refused otherwise
                 addresses = self.put(np.frombuffer(column, np.int64), torch.int64, name="landing")
         except BaseException:
-            self.tail, self._cursor, self.used_bytes, self.landing_bytes = tail, cursor, used, landing_bytes
+            self.tail, self._cursor, self.used_bytes, self.landing_bytes = before
             self._landings.pop()
             raise
         return addresses, handle
@@ -447,14 +348,13 @@ class Stage:
     def readback(self, src: torch.Tensor) -> Readback:
         """Copy device tensor ``src`` back into this stage's slot, under the slot's fence; flushes first.
 
-        One slot and one fence serve both directions: put, flush, launch the step, then read
-        back its output. Launch every kernel that reads the stage before it; nothing can be
-        put after it. Read the handle within ``VIEW_LIFETIME``.
+        Launch every kernel that reads the stage before it; nothing can be put after it. Read
+        the handle within ``VIEW_LIFETIME``.
         """
         if not self.is_open:
             self._check_open()
         offset = align_up(self._cursor, self._mem.alignment)
-        host_t, host_np, nbytes = self._ring._readback_views(self._mem, src, offset)  # typed errors first
+        host_t, host_np, nbytes = self._mem.readback_views(src, offset, self._ring.device)  # typed errors first
         if offset + nbytes > self.tail:
             raise CapacityError(
                 f"'src' needs {nbytes} bytes but the slot has {max(self.tail - offset, 0)} left before its landings; "
@@ -478,9 +378,9 @@ class Stage:
     # -- layout ------------------------------------------------------------------------
     def open_layout(self, layout: Layout, rows: int, live: int) -> None:
         """Claim ``layout`` for ``rows`` rows, ``live`` of them real, and its landings (the ring checked the counts)."""
-        mem, dst = self._mem, self.dst
+        mem, dst, keep = self._mem, self.dst, self.placement is not OWNED  # an owned buffer may differ next time
         key = ("layout", id(layout), id(dst), rows)  # ids: the entry holds both, so neither id is reused
-        placed = mem.views.get(key) if self.placement is not OWNED else None
+        placed = mem.views.get(key) if keep else None
         if placed is None:
             placed = Placed(layout, rows, mem, dst, self._block.views(rows) if self._block is not None else None)
             if placed.nbytes > self.capacity:
@@ -488,90 +388,49 @@ class Stage:
                     f"a layout of {rows} rows needs {placed.nbytes} bytes but the stage has {self.capacity}; "
                     "raise PoolSettings.slot_bytes or lower max_rows"
                 )
-            if self.placement is not OWNED:  # an owned buffer may be another one next time
+            if keep:
                 mem.views.put(key, placed)
-        self.layout, self.rows, self.live, self._placed = layout, rows, live, placed
-        self._written, self._padded, self._columns = 0, False, []
+        self._step = step = LayoutStep(layout, rows, live, mem, placed)
         self.used_bytes, self._cursor = placed.nbytes, placed.cursor
-        if layout.landings:
-            for i, at, dtype in placed.landings:
-                start = self._claim_tail(live * LANDING_ITEMSIZE[dtype], layout.fields[i].name)
-                column = self._new_landing(start, live, dtype)[1]
-                mem.host_bytes[at : at + len(column)] = column
-                self._columns.append((at, column))
+        for i, at, dtype in placed.landings:
+            start = self._claim_tail(live * LANDING_ITEMSIZE[dtype], layout.fields[i].name)
+            column = self._new_landing(start, live, dtype)[1]
+            mem.host_bytes[at : at + len(column)] = column
+            step.columns.append((at, column))
         if self.placement is IN_PLACE and live < rows:
-            # Read in place from the moment they are handed out: the padding rows are written now.
-            for view, pad in zip(placed.host_views, layout.pads, strict=True):
-                view[live:] = pad
-            self._padded = True
+            placed.pad(live)  # read in place from the moment they are handed out
+            step.padded = True
 
     def host(self, name: str) -> np.ndarray[Any, Any]:
         """Field ``name``'s live rows in the pinned slot, to fill in place before the copy (counts as written)."""
         if self.state is not OPEN:
             self._check_open()
-        i = self._input_field(name)
-        self._written |= 1 << i
-        assert self._placed is not None  # a layout's stage: ``_input_field`` raised otherwise
-        return self._placed.host_views[i][: self.live]
+        if self._step is None:
+            raise no_layout(name)
+        return self._step.host(name)
 
     def put_image(self, image: HostImage) -> None:
         """Every field from a prebuilt host image (padding included): one memcpy."""
         if self.state is not OPEN:
             self._check_open()
-        layout = self.layout
-        if (
-            not isinstance(image, HostImage)
-            or image.layout is not layout
-            or image.rows != self.rows
-            or image.live != self.live
-        ):
-            raise StagingValueError(
-                f"'image' must be this stage's layout.host_image({self.rows}, {self.live}) (got {image!r})"
-            )
-        assert layout is not None
-        data = image.data  # a public attribute: checked, as a size mismatch would write past the layout
-        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != (layout.nbytes(self.rows),):
-            raise StagingValueError(
-                f"'image.data' must be uint8 of the layout's {layout.nbytes(self.rows)} bytes "
-                f"(got {getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')})"
-            )
-        mem = self._mem
-        mem.host_bytes[mem.host_base : mem.host_base + data.nbytes] = data  # type: ignore[call-overload]
-        for at, column in self._columns:  # the image holds no addresses: this step's go back over it
-            mem.host_bytes[at : at + len(column)] = column
-        self._written, self._padded = layout.all_written, True
+        if self._step is None:
+            raise StagingValueError(f"'image' needs a stage with a layout (got {image!r})")
+        self._step.put_image(image)
 
     def landing(self, name: str) -> Landing:
         """The handle that reads landing field ``name``'s values after a successful close."""
-        layout = self.layout
-        i = -1 if layout is None else layout.field(name)
-        if layout is None or i not in layout.landings:
+        if self._step is None:
             raise StagingValueError(f"'name' must be a landing field of this stage's layout (got {name!r})")
-        return self._landings[layout.landings.index(i)]
+        return self._landings[self._step.landing_index(name)]
 
     # -- internals ---------------------------------------------------------------------
     def _advance(self, start: int, dtype: torch.dtype, numel: int, nbytes: int) -> torch.Tensor:
         """Commit a claim of ``nbytes`` at ``start``: its device view, and the cursor past it."""
         self.used_bytes = start + nbytes
         self._cursor = align_up(self.used_bytes, self._mem.alignment)
-        if self.placement is OWNED:
-            return self._owned_view(start, dtype, numel)
-        hit = self._mem.views.get((id(self.dst), dtype, start, numel))
-        return hit[1] if hit is not None else self._keep_view(start, dtype, numel)
-
-    def _keep_view(self, start: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """The device view of a claim, kept with the slot: the same claims repeat at the same bytes every lap.
-
-        Keyed by the destination's id and held with it, so the id cannot be another tensor's.
-        """
-        view = self.dst.view(dtype)[start // dtype.itemsize :][:numel]
-        self._mem.views.put((id(self.dst), dtype, start, numel), (self.dst, view))
-        return view
-
-    def _owned_view(self, start: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """An owned buffer may be another one next time: its views are made, never kept."""
-        usable = self.dst.numel() // dtype.itemsize * dtype.itemsize
-        return self.dst[:usable].view(dtype)[start // dtype.itemsize :][:numel]
+        if self.placement is OWNED:  # an owned buffer may be another one next time: made, never kept
+            return typed_view(self.dst, dtype, start, numel)
+        return self._mem.device_view(self.dst, dtype, start, numel)
 
     def _claim_tail(self, nbytes: int, name: str) -> int:
         align = self._mem.alignment
@@ -585,88 +444,27 @@ class Stage:
         return start
 
     def _new_landing(self, start: int, numel: int, dtype: torch.dtype) -> tuple[Landing, bytes]:
-        """The handle of ``numel`` landed ``dtype`` values at ``start`` of the slot, and their address column.
-
-        A decode step lands at the same bytes of a slot every lap: the column and the typed
-        view are made once per (start, numel, dtype) and kept with the slot (no numpy call
-        a step, where the first numpy calls after a step's launches run cold).
-        """
-        mem = self._mem
-        key = ("landing", start, numel, dtype)
-        hit = mem.views.get(key)
-        if hit is None:
-            values = mem.host[torch.uint8][start : start + numel * LANDING_ITEMSIZE[dtype]].view(NUMPY_DTYPE[dtype])
-            hit = mem.views.put(key, ((landing_column(numel, dtype) + (mem.address + start)).tobytes(), values))
-        handle = Landing(self._ring, self.slot, self.generation, mem.fence, hit[1])
+        """The handle of ``numel`` landed ``dtype`` values at ``start`` of the slot, and their address column."""
+        column, values = self._mem.landing(start, numel, dtype)
+        handle = Landing(self._ring, self.slot, self.generation, self._mem.fence, values)
         self._landings.append(handle)
-        return handle, hit[0]
+        return handle, column
 
     def _issue(self) -> None:
         """Padding, the block's ordering, the one copy: OPEN -> FLUSHED."""
-        layout = self.layout
-        if layout is not None:
-            if self.live and self._written != layout.all_written:
-                written = self._written
-                missing = [f.name for i, f in enumerate(layout.fields) if f.lands is None and not written >> i & 1]
+        if self._step is not None:
+            try:
+                self._step.before_copy()  # raises when an input field was not written
+            except PoolStateError:
                 self.close(ok=False)
-                raise PoolStateError(
-                    f"every input field must be written each step (missing: {missing}); the slot still holds an "
-                    "older step's values there, so the stage was aborted and nothing was copied"
-                )
-            live = self.live
-            if live < self.rows and not self._padded:
-                assert self._placed is not None
-                for view, pad in zip(self._placed.host_views, layout.pads, strict=True):
-                    view[live:] = pad
-        block = self._block
-        if block is not None:
-            block.before_copy(self.stream)
+                raise
+        if self._block is not None:
+            self._block.before_copy(self.stream)
         if self.placement is not IN_PLACE:
             self._ring._issue_copy(self)
         self.state = FLUSHED
-        if block is not None:
-            block.after_copy(self.stream)
-
-    def _put_field(self, name: str, values: Any) -> None:
-        placed = self._placed
-        spec = placed.fields.get(name) if placed is not None else None
-        if spec is None or placed is None:
-            self._input_field(name)  # raises: no layout, an unknown field, or a landing
-            return
-        i, at, dtype = spec
-        live = self.live
-        if type(values) is list and len(values) == live:
-            packer = PACKERS.get((dtype, live)) or packer_for(dtype, live)
-            if packer is not None:
-                try:
-                    # Packed aside (pack_into may write part of the field before it raises): a
-                    # refused put leaves the field's earlier values, as the general path does.
-                    packed = packer.pack(*values)
-                except (struct.error, TypeError, OverflowError):
-                    pass  # the general path converts or raises typed
-                else:
-                    self._mem.host_bytes[at : at + len(packed)] = packed
-                    self._written |= 1 << i
-                    return
-        src, _, shape = as_source(values, dtype, name)
-        if math.prod(shape) != live:
-            raise StagingValueError(f"'{name}' must hold {live} values, one per live row (got shape {shape})")
-        if isinstance(src, np.ndarray):
-            write(placed.host_views[i][:live], src, dtype, name)  # arrays are checked before they are copied
-        else:  # a list is written, then checked: aside, so a refused one leaves the field as it was
-            converted = np.empty(live, NUMPY_DTYPE[dtype])
-            write(converted, src, dtype, name)
-            placed.host_views[i][:live] = converted
-        self._written |= 1 << i
-
-    def _input_field(self, name: str) -> int:
-        layout = self.layout
-        if layout is None:
-            raise StagingTypeError(f"put({name!r}, ...) names a field, but this stage has no layout")
-        i = layout.field(name)
-        if layout.fields[i].lands is not None:
-            raise PoolStateError(f"field {name!r} is a landing: the stage writes its addresses itself")
-        return i
+        if self._block is not None:
+            self._block.after_copy(self.stream)
 
     def _check_open(self) -> None:
         if not self.is_open:

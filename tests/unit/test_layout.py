@@ -281,7 +281,7 @@ def test_padding_rows_hold_the_pads_after_flush_over_an_earlier_steps_values() -
         st = pool.stage(STEP, rows=MAX_ROWS, live=live)
         st.put("rows", list(range(live)))
         st.put("pos", list(range(live)))
-        host_pos = st._placed.host_views[1]  # white box: the pinned bytes the copy carries
+        host_pos = st._step.placed.host_views[1]  # white box: the pinned bytes the copy carries
         st.flush()
         assert host_pos.tolist() == padded(list(range(live)), MAX_ROWS, -1)
         assert st.views["rows"].tolist() == padded(list(range(live)), MAX_ROWS, 0)

@@ -1,0 +1,145 @@
+"""One ring slot's memory and what a stage needs from its owners: the pieces ``Stage`` is built on.
+
+- ``SlotMemory``: a slot's pinned bytes, their device mirror, their UVA alias and the slot's fence;
+- ``Placed``: a layout placed in a slot for one row count, made once and kept with the slot;
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from pinpool.cache import BoundedCache
+from pinpool.encode import NUMPY_DTYPE
+from pinpool.exceptions import CapacityError, DeviceMismatchError, PoolStateError
+from pinpool.layout import LANDING_ITEMSIZE, Layout, align_up, landing_column
+from pinpool.transport import Fence
+
+
+class SlotMemory:
+    """One slot's pinned bytes (as torch, numpy and the slab's memoryview) and the device memory it copies to."""
+
+    __slots__ = (
+        "address",
+        "alias",
+        "alignment",
+        "device_raw",
+        "fence",
+        "host",
+        "host_base",
+        "host_bytes",
+        "host_raw",
+        "nbytes",
+        "views",
+    )
+
+    def __init__(
+        self,
+        host_raw: torch.Tensor,
+        device_raw: torch.Tensor,
+        host_bytes: memoryview,
+        host_base: int,
+        alignment: int,
+        fence: Fence,
+    ) -> None:
+        self.host_raw = host_raw
+        self.device_raw = device_raw
+        #: The device-readable alias of the pinned bytes (UVA), once the platform check passed.
+        self.alias: torch.Tensor | None = None
+        self.host_bytes = host_bytes
+        self.host_base = host_base
+        self.alignment = alignment
+        #: The slot's fence, recorded when a claim of it closes: one per slot, for the pool's life.
+        self.fence = fence
+        self.address: int = host_raw.data_ptr()
+        self.nbytes: int = host_raw.numel()
+        raw_np = host_raw.numpy()
+        self.host: dict[torch.dtype, Any] = {d: raw_np.view(n) for d, n in NUMPY_DTYPE.items()}
+        #: A decode step repeats its puts, its layout and its landings at the same bytes of a
+        #: slot lap after lap: what they make is kept here, keyed by what it covers (one cache).
+        self.views: BoundedCache[tuple[Any, ...], Any] = BoundedCache()
+
+    def device_view(self, dst: torch.Tensor, dtype: torch.dtype, start: int, numel: int) -> torch.Tensor:
+        """``numel`` ``dtype`` values of ``dst`` from byte ``start``, kept (keyed by ``id(dst)``, held with it)."""
+        hit = self.views.get((id(dst), dtype, start, numel))
+        if hit is None:
+            hit = self.views.put((id(dst), dtype, start, numel), (dst, typed_view(dst, dtype, start, numel)))
+        view: torch.Tensor = hit[1]
+        return view
+
+    def landing(self, start: int, numel: int, dtype: torch.dtype) -> tuple[bytes, np.ndarray[Any, Any]]:
+        """(the address column, the typed host view) of ``numel`` landed values at byte ``start``, kept."""
+        key = ("landing", start, numel, dtype)
+        hit = self.views.get(key)
+        if hit is None:
+            values = self.host[torch.uint8][start : start + numel * LANDING_ITEMSIZE[dtype]].view(NUMPY_DTYPE[dtype])
+            hit = self.views.put(key, ((landing_column(numel, dtype) + (self.address + start)).tobytes(), values))
+        column: tuple[bytes, np.ndarray[Any, Any]] = hit
+        return column
+
+    def readback_views(self, src: torch.Tensor, offset: int, device: torch.device) -> tuple[torch.Tensor, Any, int]:
+        """(pinned torch view, numpy view, bytes) a read-back of ``src`` at ``offset`` copies into; typed errors.
+
+        Kept per (dtype, shape, offset): a decode step reads back the same shape every lap.
+        """
+        key = ("readback", src.dtype, src.shape, offset) if type(src) is torch.Tensor else None
+        hit = self.views.get(key) if key is not None else None
+        if hit is not None and src.device == device and src.is_contiguous():
+            views: tuple[torch.Tensor, Any, int] = hit
+            return views
+        if not isinstance(src, torch.Tensor):
+            raise PoolStateError(f"'src' must be a torch.Tensor (got {type(src).__name__})")
+        if src.device != device:
+            raise DeviceMismatchError(f"'src' must be on the pool's device {device} (got {src.device})")
+        if src.dtype not in NUMPY_DTYPE or not src.is_contiguous():
+            raise PoolStateError(f"'src' must be contiguous with a numpy dtype (got {src.dtype})")
+        nbytes = src.nbytes
+        if offset + nbytes > self.nbytes:
+            raise CapacityError(
+                f"'src' needs {nbytes} bytes but the slot has {self.nbytes - offset} of {self.nbytes} left; "
+                "raise PoolSettings.slot_bytes"
+            )
+        first = offset // src.element_size()
+        host_np = self.host[src.dtype][first : first + src.numel()].reshape(src.shape)
+        host_t = self.host_raw[offset : offset + nbytes].view(src.dtype).view(src.shape)
+        views = (host_t, host_np, nbytes)
+        return views if key is None else self.views.put(key, views)
+
+
+def typed_view(raw: torch.Tensor, dtype: torch.dtype, start: int, numel: int) -> torch.Tensor:
+    """``numel`` ``dtype`` values of uint8 ``raw`` from byte ``start`` (a multiple of the dtype's size)."""
+    return raw[start : start + numel * dtype.itemsize].view(dtype)
+
+
+class Placed:
+    """A layout for ``rows`` rows placed in one slot and one destination: views and byte positions, made once.
+
+    A decode step opens the same layout at the same size in the same slot lap after lap: the
+    slot keeps this (``SlotMemory.views``), so a step's puts are a dict lookup and a pack.
+    """
+
+    __slots__ = ("cursor", "dst", "fields", "host_views", "landings", "layout", "nbytes", "views")
+
+    def __init__(
+        self, layout: Layout, rows: int, mem: SlotMemory, dst: torch.Tensor, views: Mapping[str, torch.Tensor] | None
+    ) -> None:
+        self.layout, self.dst = layout, dst  # held, so the ids in this entry's key stay theirs
+        plan = layout.plan(rows)
+        self.nbytes = plan.nbytes
+        self.cursor = align_up(plan.nbytes, mem.alignment)
+        self.host_views = layout.host_views(mem.host[torch.uint8], rows)
+        #: A block's own views where the layout lands in one (the tensors a graph captured).
+        self.views = dict(views) if views is not None else layout.device_views(dst, rows)
+        at = [mem.host_base + off for off in plan.offsets]
+        #: name -> (index, the field's first byte in the slab, dtype), input fields only.
+        self.fields = {f.name: (i, at[i], f.dtype) for i, f in enumerate(layout.fields) if f.lands is None}
+        #: (index, first byte in the slab, landed dtype) of each landing field.
+        self.landings = tuple((i, at[i], layout.fields[i].lands) for i in layout.landings)
+
+    def pad(self, live: int) -> None:
+        """Write every field's padding rows (``live`` onwards) in the slot."""
+        for view, pad in zip(self.host_views, self.layout.pads, strict=True):
+            view[live:] = pad
