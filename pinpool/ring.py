@@ -97,13 +97,6 @@ class PinnedRingBuffer:
         self._num_slots = settings.num_slots
         self._debug = settings.debug
         self._slots = self._allocate(settings)
-        # The mirror came from the caching allocator on the stream current now, which may still
-        # have work queued on memory the block held before: that stream is every slot's first
-        # "previous user", so a first stage on another stream waits for it.
-        self._last_stream: list[Stream] = [self._transport.resolve_stream(None)] * self._num_slots
-        self._handoff: list[Fence] = [self._transport.new_fence() for _ in self._slots]
-        self._slot_generation = [0] * self._num_slots
-        self._retained: list[list[Any]] = [[] for _ in self._slots]
         self._consumers: list[tuple[Stream, list[Fence]]] = []
         #: Streams teardown waits for besides the slots' last users and the consumers.
         self._teardown_streams: list[Stream] = []
@@ -138,11 +131,17 @@ class PinnedRingBuffer:
         self.host_slab = transport.alloc_host(slot_bytes * settings.num_slots)
         self.device_mirror = transport.alloc_device(slot_bytes * settings.num_slots)
         host_bytes = self.host_slab.numpy().data  # the whole slab as a writable memoryview
+        # The mirror came from the caching allocator on the stream current now, which may still
+        # have work queued on memory the block held before: that stream is every slot's first
+        # "previous user", so a first stage on another stream waits for it.
+        first_user = transport.resolve_stream(None)
         slots = []
         for i in range(settings.num_slots):
             span = slice(i * slot_bytes, (i + 1) * slot_bytes)
             host, device = self.host_slab[span], self.device_mirror[span]
-            slots.append(SlotMemory(host, device, host_bytes, span.start, settings.alignment, transport.new_fence()))
+            mem = SlotMemory(host, device, host_bytes, span.start, settings.alignment, transport.new_fence())
+            mem.last_user, mem.handoff = first_user, transport.new_fence()
+            slots.append(mem)
         return slots
 
     # -- what a user calls -------------------------------------------------------------
@@ -255,7 +254,8 @@ class PinnedRingBuffer:
             raise PoolStateError("close() called inside an open stage: finish the stage first")
         self._drain()
         self._closed = True
-        self._retained = [[] for _ in self._retained]
+        for mem in self._slots:
+            mem.retained.clear()
         for mem in self._slots:
             mem.views.clear()  # the views kept per slot hold their memory (a block's, say) alive
         _log.info("pool.closed", device=str(self.device), **attrs.asdict(self._counters))
@@ -282,7 +282,7 @@ class PinnedRingBuffer:
     # -- the package's side: stages, blocks and read-back handles call these ----------------
     def slot_generation(self, slot: int) -> int:
         """The generation of the claim that holds ``slot`` now (a lease is live while it matches)."""
-        return self._slot_generation[slot]
+        return self._slots[slot].generation
 
     def wait_for_readback(self, fence: Fence) -> None:
         """The host wait of a read whose copy or writer has not finished: counted and timed."""
@@ -372,7 +372,7 @@ class PinnedRingBuffer:
         in_place = st.placement is IN_PLACE
         if not ok:
             _log.debug("stage.aborted", slot=slot, generation=st.generation)
-        if not (st.copy_issued or st.landing_bytes or self._retained[slot] or (in_place and st.used_bytes)):
+        if not (st.copy_issued or st.landing_bytes or self._slots[slot].retained or (in_place and st.used_bytes)):
             # Nothing queued reads or writes the slot: the next claim gets it as it is (its
             # generation moves on, so this stage's views read as stale).
             counters.stages += ok
@@ -393,7 +393,7 @@ class PinnedRingBuffer:
             self._refuse_unregistered_reader(st)
 
     def _retain(self, slot: int, objs: tuple[Any, ...]) -> None:
-        self._retained[slot].extend(objs)
+        self._slots[slot].retained.extend(objs)
 
     def _resolve_then_ask(self, stream: Stream | None) -> tuple[Stream, bool]:
         """``resolve_for_stage`` for a transport without it: the two questions apart (no ``capturing``: never)."""
@@ -425,7 +425,7 @@ class PinnedRingBuffer:
         write(host.numpy().view(NUMPY_DTYPE[dtype]) if dtype in NUMPY_DTYPE else host.view(dtype), src, dtype, name)
         device = transport.alloc_device(nbytes, st.stream)  # from the pool of the stream that writes it
         transport.copy(device, host, st.stream)
-        self._retained[st.slot].append(host)  # the slot's fence, recorded at close, covers this copy
+        st._mem.retained.append(host)  # the slot's fence, recorded at close, covers this copy
         counters = self._counters
         counters.overflows += 1
         counters.host_allocations += 1
@@ -439,25 +439,25 @@ class PinnedRingBuffer:
     def _claim(self, stream: Stream, placement: Placement, *, writes_mirror: bool) -> int:
         """The next slot, safe to write on the host and guarded on the device for ``stream``, under a new generation."""
         slot = self._next_slot
-        fence = self._slots[slot].fence
+        mem = self._slots[slot]
         # Rule 1: the host bytes may still feed a copy, receive a read-back or be read in
         # place. Bounded: only when the GPU is num_slots claims behind.
-        if not fence.query():
-            self._stall(slot, fence)
-        if self._retained[slot]:
-            self._retained[slot].clear()  # rule 5: the fence has passed, so their readers are done
+        if not mem.fence.query():
+            self._stall(slot, mem.fence)
+        if mem.retained:
+            mem.retained.clear()  # rule 5: the fence has passed, so their readers are done
         if placement is not IN_PLACE:  # an in-place stage never touches the device copy
-            last = self._last_stream[slot]
+            last = mem.last_user
             if last is not stream and not self._transport.same_stream(last, stream):
                 # Rule 2, change of stream: the previous user's queued work on the slot comes first.
-                wait_for_streams(self._transport, stream, ((last, self._handoff[slot]),))
-            self._last_stream[slot] = stream
+                wait_for_streams(self._transport, stream, ((last, mem.handoff),))
+            mem.last_user = stream
             if writes_mirror and (self._consumers or self._debug):
                 self._wait_for_consumers(slot, stream)
                 if self._debug:  # a stale raw view of the recycled bytes reads NaN / -1, not old data
-                    self._transport.fill(self._slots[slot].device_raw, _POISON_BYTE, stream)
+                    self._transport.fill(mem.device_raw, _POISON_BYTE, stream)
         self._generation += 1
-        self._slot_generation[slot] = self._generation
+        mem.generation = self._generation
         return slot
 
     def _wait_for_consumers(self, slot: int, stream: Stream) -> None:
@@ -500,7 +500,7 @@ class PinnedRingBuffer:
         """Teardown: wait for everything that may still read or write the pool's memory."""
         transport = self._transport
         streams: list[Stream] = []
-        for stream in [*self._last_stream, *(c for c, _ in self._consumers), *self._teardown_streams]:
+        for stream in [*(m.last_user for m in self._slots), *(c for c, _ in self._consumers), *self._teardown_streams]:
             if not any(transport.same_stream(stream, seen) for seen in streams):
                 streams.append(stream)
         fences = [mem.fence for mem in self._slots]

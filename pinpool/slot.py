@@ -28,11 +28,15 @@ class SlotMemory:
         "alignment",
         "device_raw",
         "fence",
+        "generation",
+        "handoff",
         "host",
         "host_base",
         "host_bytes",
         "host_raw",
+        "last_user",
         "nbytes",
+        "retained",
         "views",
     )
 
@@ -54,6 +58,14 @@ class SlotMemory:
         self.alignment = alignment
         #: The slot's fence, recorded when a claim of it closes: one per slot, for the pool's life.
         self.fence = fence
+        #: The claim holding the slot now (a view or handle is live while its generation matches).
+        self.generation = 0
+        #: The stream of the slot's last device user, and a fence to record there when a claim
+        #: on another stream must wait for it (rule 2); set by the ring.
+        self.last_user: Any = None
+        self.handoff: Fence = fence
+        #: Objects kept alive until the slot's fence has passed (rule 5).
+        self.retained: list[Any] = []
         self.address: int = host_raw.data_ptr()
         self.nbytes: int = host_raw.numel()
         raw_np = host_raw.numpy()

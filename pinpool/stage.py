@@ -227,10 +227,10 @@ class Stage:
         """Whether the device views hold this stage's values for a kernel queued now: not before the
         copy is issued, not once the slot was recycled (ring), not after close (in place)."""
         if self.placement is IN_PLACE:
-            return self.is_open and self._ring.slot_generation(self.slot) == self.generation
+            return self.is_open and self._mem.generation == self.generation
         if self.state is OPEN:
             return False
-        return self.placement is not RING or self._ring.slot_generation(self.slot) == self.generation
+        return self.placement is not RING or self._mem.generation == self.generation
 
     def check_live(self, what: str = "staged slice") -> None:
         if self.is_live:

@@ -481,7 +481,7 @@ class NoHandOffRing(PinnedRingBuffer):
     before each claim, that the slot's last user was the claiming stream itself)."""
 
     def _claim(self, stream: Stream, placement: Placement, *, writes_mirror: bool) -> int:
-        self._last_stream[self._next_slot] = stream
+        self._slots[self._next_slot].last_user = stream
         return super()._claim(stream, placement, writes_mirror=writes_mirror)
 
 

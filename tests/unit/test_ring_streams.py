@@ -43,7 +43,7 @@ class NoHandOffRing(PinnedRingBuffer):
     """
 
     def _claim(self, stream: Stream, placement: Placement, *, writes_mirror: bool) -> int:
-        self._last_stream[self._next_slot] = stream
+        self._slots[self._next_slot].last_user = stream
         return super()._claim(stream, placement, writes_mirror=writes_mirror)
 
 
