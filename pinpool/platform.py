@@ -1,20 +1,9 @@
 """The start-up platform check behind zero-copy stages, and the device alias of the pinned slab.
 
-A zero-copy stage hands kernels the slot's pinned host memory through its device address
-(unified virtual addressing). That is only sound when the memory really is page-locked
-and a kernel really reads it at run time: confidential-compute hosts can hand back
-pageable memory from ``pin_memory=True`` (vLLM #50671, #57224), and WSL2 can lack UVA
-(vLLM #47579). Either way the kernel would read garbage with no error. So a pool created
-with ``PoolSettings(zero_copy=True)`` checks, once:
-
-- the slab is page-locked (``tensor.is_pinned()``, which asks ``cudaPointerGetAttributes``);
-- its device view is an alias (the same address), not a copy torch made quietly;
-- a kernel queued *before* a host write reads the written bytes (a live alias);
-- the NUMA node of the slab and of the GPU, where the OS tells (``None`` otherwise).
-
-The result is a frozen ``PlatformReport``: ``pool.platform``, ``stats().platform`` and the
-``pool.created`` log event carry it. A failed check refuses zero-copy stages with
-``PlatformError`` naming the reason; copy stages keep working.
+Kernels read a zero-copy slot through its device address (UVA), sound only when the memory is
+page-locked and read live: confidential-compute hosts can return pageable memory from
+``pin_memory=True`` (vLLM #50671, #57224) and WSL2 can lack UVA (vLLM #47579), and kernels would
+read garbage with no error. A failed check refuses zero-copy stages; copy stages keep working.
 """
 
 from __future__ import annotations
@@ -23,6 +12,7 @@ import ctypes
 import os
 import platform as _os_platform
 from collections.abc import Iterable
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -30,8 +20,7 @@ import torch
 
 from pinpool.exceptions import PlatformError, PoolStateError
 
-#: GPU sleep (cycles) queued ahead of the probe's read kernel: long enough (~5 ms, then
-#: ~50 ms) that the host write lands first; the probe checks that it did.
+#: GPU sleeps (cycles) queued ahead of the probe's read kernel, so that the host write lands first.
 _PROBE_SLEEP_CYCLES = (10_000_000, 100_000_000)
 _PROBE_BYTES = 64
 #: ``move_pages`` syscall numbers (asks the kernel which node holds a page, cheaply).
@@ -40,19 +29,14 @@ _MOVE_PAGES_NR = {"x86_64": 279, "aarch64": 239}
 
 @attrs.frozen
 class PlatformReport:
-    """What the start-up check found. ``zero_copy_ok`` gates zero-copy stages; ``reason`` says why.
-
-    ``None`` in a field means "not checked" or "the OS does not say" (NUMA nodes).
-    """
+    """What the start-up check found; ``None`` in a field: not checked, or the OS does not say."""
 
     checked: bool
     zero_copy_ok: bool
     reason: str
     pinned: bool | None = None
-    #: The device view's address equals the host pointer (UVA alias, not a copy).
-    alias_is_host_address: bool | None = None
-    #: A kernel queued before a host write read the written bytes.
-    kernel_sees_host_writes: bool | None = None
+    alias_is_host_address: bool | None = None  # the device view is the slab's own address, not a copy
+    kernel_sees_host_writes: bool | None = None  # a kernel queued before a host write read the new bytes
     slab_numa_node: int | None = None
     gpu_numa_node: int | None = None
 
@@ -68,7 +52,7 @@ class PlatformReport:
         return self.slab_numa_node == self.gpu_numa_node
 
     def log_fields(self) -> dict[str, Any]:
-        """The fields ``pool.created`` logs, prefixed so dashboards can match them."""
+        """The fields ``pool.created`` logs."""
         if not self.checked:
             return {"zero_copy": "off"}
         return {
@@ -79,7 +63,7 @@ class PlatformReport:
         }
 
     def refusal(self, device: torch.device) -> Exception:
-        """The typed error a stage that kernels would read or write in place (zero-copy, landings) raises here."""
+        """The error a stage whose kernels read or write the slots in place (zero-copy, landings) raises."""
         if not self.checked:
             return PoolStateError(
                 "kernels reading or writing the pinned slots in place (pool.stage(zero_copy=True), landings: "
@@ -97,31 +81,12 @@ def in_place_report(where: str) -> PlatformReport:
     return PlatformReport(checked=True, zero_copy_ok=True, reason=f"ok: {where} reads host memory in place")
 
 
-# -- the CUDA check ----------------------------------------------------------------------
-class _HostAlias:
-    """A ``__cuda_array_interface__`` over pinned host bytes; holds the host tensor alive."""
-
-    def __init__(self, host: torch.Tensor) -> None:
-        self.host = host
-        self.__cuda_array_interface__ = {
-            "shape": (host.numel(),),
-            "typestr": "|u1",
-            "data": (host.data_ptr(), False),
-            "version": 3,
-        }
-
-
 def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A uint8 CUDA tensor at ``host``'s own address (UVA) on ``device``, built once per pool.
-
-    torch wraps the pointer without copying, on the device ``cudaPointerGetAttributes``
-    names: the one whose context pinned the memory. Pinned memory is readable from every
-    device under UVA, so when that is another device (torch's host cache can hand back a
-    block first pinned under it), the same address is wrapped for ``device`` directly. The
-    alias does not own the memory: the caller keeps ``host`` alive (the ring holds its slab).
-    The caller checks ``data_ptr()`` all the same.
-    """
-    alias = torch.as_tensor(_HostAlias(host))
+    """A uint8 CUDA tensor at ``host``'s own address (UVA) on ``device``; the caller keeps ``host`` alive."""
+    interface = {"shape": (host.numel(),), "typestr": "|u1", "data": (host.data_ptr(), False), "version": 3}
+    # torch wraps the pointer without a copy, keeping the namespace (so ``host``) alive, on the device
+    # whose context pinned the memory; pinned memory is readable from every device, so wrap it for ``device``.
+    alias = torch.as_tensor(SimpleNamespace(host=host, __cuda_array_interface__=interface))
     if alias.device == device:
         return alias
     construct = getattr(torch._C, "_construct_storage_from_data_pointer", None)
@@ -134,66 +99,44 @@ def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def check_cuda(host_slab: torch.Tensor, device: torch.device) -> tuple[PlatformReport, torch.Tensor | None]:
     """Run the check on a CUDA pool's slab; returns the report and, when it passed, the slab's alias."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    nodes: dict[str, Any] = {
+    found: dict[str, Any] = {
         "slab_numa_node": host_numa_node(host_slab.data_ptr()),
         "gpu_numa_node": gpu_numa_node(index),
     }
 
-    def refused(reason: str, **found: Any) -> tuple[PlatformReport, None]:
-        return PlatformReport(checked=True, zero_copy_ok=False, reason=reason, **found, **nodes), None
+    def done(reason: str, alias: torch.Tensor | None = None) -> tuple[PlatformReport, torch.Tensor | None]:
+        return PlatformReport(checked=True, zero_copy_ok=alias is not None, reason=reason, **found), alias
 
-    pinned = bool(host_slab.is_pinned())
-    if not pinned:
-        return refused(
+    found["pinned"] = bool(host_slab.is_pinned())
+    if not found["pinned"]:
+        return done(
             "the slab is not page-locked (tensor.is_pinned() is False): pin_memory=True returned pageable "
-            "memory, as on confidential-compute hosts",
-            pinned=False,
+            "memory, as on confidential-compute hosts"
         )
     try:
         alias = device_alias(host_slab, device)
     except (RuntimeError, TypeError, ValueError) as exc:
-        return refused(f"the slab has no device address (no UVA): {exc}", pinned=True)
-    if alias.data_ptr() != host_slab.data_ptr() or alias.device != device:
-        return refused(
+        return done(f"the slab has no device address (no UVA): {exc}")
+    found["alias_is_host_address"] = alias.data_ptr() == host_slab.data_ptr() and alias.device == device
+    if not found["alias_is_host_address"]:
+        return done(
             f"the device view is a copy at {alias.data_ptr():#x} on {alias.device}, not the slab at "
-            f"{host_slab.data_ptr():#x}",
-            pinned=True,
-            alias_is_host_address=False,
+            f"{host_slab.data_ptr():#x}"
         )
-    seen = kernel_sees_host_write(host_slab, alias, index)
+    seen = found["kernel_sees_host_writes"] = kernel_sees_host_write(host_slab, alias, index)
     if seen is not True:
         why = "did not finish in time to tell" if seen is None else "read the old bytes"
-        return refused(
-            f"a kernel queued before a host write {why}: device reads of this memory are not live",
-            pinned=True,
-            alias_is_host_address=True,
-            kernel_sees_host_writes=seen,
-        )
+        return done(f"a kernel queued before a host write {why}: device reads of this memory are not live")
     if not kernel_write_reaches_host(host_slab, alias, index):
-        # Landings (``Stage.land``) have kernels store into the slab: that direction must work too.
-        return refused(
-            "a kernel's stores into the device view did not reach the host bytes",
-            pinned=True,
-            alias_is_host_address=True,
-            kernel_sees_host_writes=True,
-        )
-    report = PlatformReport(
-        checked=True,
-        zero_copy_ok=True,
-        reason="ok: pinned, aliased, a queued kernel read a later host write, and a kernel's stores reached the host",
-        pinned=True,
-        alias_is_host_address=True,
-        kernel_sees_host_writes=True,
-        **nodes,
-    )
-    return report, alias
+        return done("a kernel's stores into the device view did not reach the host bytes")
+    ok = "ok: pinned, aliased, a queued kernel read a later host write, and a kernel's stores reached the host"
+    return done(ok, alias)
 
 
 def kernel_sees_host_write(host: torch.Tensor, alias: torch.Tensor, index: int) -> bool | None:
-    """Queue a read of ``alias`` behind a GPU sleep, write ``host`` from Python, and see which bytes it read.
+    """Queue a read of ``alias`` behind a GPU sleep, then write ``host``: did the kernel read the new bytes?
 
-    True: the kernel read the new bytes. False: it read the old ones (no live alias).
-    None: the GPU finished its sleep before the host wrote, every time, so it cannot tell.
+    None: the sleep always ended before the host wrote, so the probe cannot tell.
     """
     n = min(_PROBE_BYTES, host.numel())
     host_np = host[:n].numpy()
@@ -209,7 +152,7 @@ def kernel_sees_host_write(host: torch.Tensor, alias: torch.Tensor, index: int) 
                 asleep.record(stream)
                 read = alias[:n].to(torch.int16)  # an elementwise kernel: reads the host bytes when it runs
             host_np[:] = new_bytes
-            # The sleep not yet over, *after* the write: the read kernel had not started.
+            # Still asleep *after* the write: the read kernel had not started.
             still_asleep = not asleep.query()  # type: ignore[no-untyped-call]
             stream.synchronize()  # sync-ok: start-up platform check, once per pool created with zero_copy
             if still_asleep:
@@ -218,7 +161,7 @@ def kernel_sees_host_write(host: torch.Tensor, alias: torch.Tensor, index: int) 
 
 
 def kernel_write_reaches_host(host: torch.Tensor, alias: torch.Tensor, index: int) -> bool:
-    """Have an elementwise kernel store a pattern through ``alias``; True when ``host`` then holds it."""
+    """Have an elementwise kernel store a pattern through ``alias`` (as landings do); True when ``host`` holds it."""
     n = min(_PROBE_BYTES, host.numel())
     host_np = host[:n].numpy()
     host_np[:] = 0
@@ -234,7 +177,6 @@ def kernel_write_reaches_host(host: torch.Tensor, alias: torch.Tensor, index: in
     return ok
 
 
-# -- NUMA nodes, where the OS tells -----------------------------------------------------
 def gpu_numa_node(index: int) -> int | None:
     """The NUMA node of GPU ``index`` from sysfs, via its PCI address; None where unknown."""
     try:
@@ -276,26 +218,20 @@ def _node_by_move_pages(addr: int) -> int | None:
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        page = addr - addr % os.sysconf("SC_PAGE_SIZE")
-        pages = (ctypes.c_void_p * 1)(page)
+        pages = (ctypes.c_void_p * 1)(addr - addr % os.sysconf("SC_PAGE_SIZE"))
         status = (ctypes.c_int * 1)(-1)
-        # nodes=NULL: query only, nothing moves.
-        rc = libc.syscall(ctypes.c_long(nr), 0, ctypes.c_ulong(1), pages, None, status, 0)
+        rc = libc.syscall(ctypes.c_long(nr), 0, ctypes.c_ulong(1), pages, None, status, 0)  # nodes=NULL: query
     except (OSError, AttributeError, ValueError):
         return None
     return int(status[0]) if rc == 0 and status[0] >= 0 else None
 
 
 def node_from_numa_maps(lines: Iterable[str], addr: int) -> int | None:
-    """The node holding most pages of the mapping that contains ``addr``, from numa_maps lines.
-
-    Lines are sorted by start address; the mapping of ``addr`` is the last one starting at
-    or below it. Reading stops there, so the kernel does not walk the rest of the process.
-    """
+    """The node holding most pages of ``addr``'s mapping; lines are sorted, so reading stops past it
+    (and the kernel walks no further through the process)."""
     last: str | None = None
     for line in lines:
-        start = int(line.split(" ", 1)[0], 16)
-        if start > addr:
+        if int(line.split(" ", 1)[0], 16) > addr:
             break
         last = line
     if last is None:

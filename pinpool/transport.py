@@ -1,15 +1,9 @@
 """How bytes and fences move: the one seam between the ring's rules and a device.
 
-The ring never calls CUDA itself. It asks a ``Transport`` for memory, fences, stream
-waits and copies, so the same rules run on CUDA (``CudaTransport``), on plain host
-memory (``HostTransport``, rule 7) and on the stream-aware simulator
-(``pinpool.testing.LaggingGpu``) that the CPU tests drive. One class per path, so a
-test of a path exercises exactly it.
-
-Streams are explicit. ``resolve_stream`` turns "the one passed, or the device's current
-stream now" into a concrete stream once, when a stage or read-back opens; every later
-call for that operation carries it (README, rule 2). No method asks "what is current?"
-again.
+The ring never calls CUDA itself: a ``Transport`` gives it memory, fences, stream waits and
+copies, so the same rules run on CUDA (``pinpool.cuda``), on host memory (``HostTransport``,
+rule 7) and on the CPU tests' simulator (``pinpool.testing.LaggingGpu``). Streams are explicit:
+``resolve_stream`` fixes one when an operation opens and every later call carries it (rule 2).
 """
 
 from __future__ import annotations
@@ -29,74 +23,47 @@ class Fence(Protocol):
     """A marker in one stream: passed once the device has run everything queued before it."""
 
     def record(self, stream: Stream) -> None: ...
-
     def query(self) -> bool: ...
-
     def synchronize(self) -> None: ...
 
 
 class Transport(Protocol):
-    """Memory, fences, stream waits and copies for one device."""
+    """Memory, fences, stream waits and copies for one device.
+
+    ``capturing`` and ``resolve_for_stage`` are optional for a caller's own transport: without
+    them the ring asks ``resolve_stream`` alone and assumes no graph capture.
+    """
 
     device: torch.device
-    #: True when host memory is page-locked, so copies from it are truly asynchronous.
-    pinned: bool
-    #: How copies and fences are made, for logs: "torch", "host", "simulated".
-    path: str
+    pinned: bool  # host memory is page-locked, so copies from it are truly asynchronous
+    path: str  # how copies and fences are made, for logs: "torch", "host", "simulated"
 
     def alloc_host(self, nbytes: int) -> torch.Tensor: ...
-
-    def alloc_device(self, nbytes: int, stream: Stream = None) -> torch.Tensor:
-        """Device memory for ``stream`` to write first (None: the current stream)."""
-        ...
-
+    # Device memory for ``stream`` to write first (None: the current stream).
+    def alloc_device(self, nbytes: int, stream: Stream = None) -> torch.Tensor: ...
     def new_fence(self) -> Fence: ...
-
-    def resolve_stream(self, stream: Stream | None) -> Stream:
-        """``stream`` checked against the pool's device, or the device's current stream now."""
-        ...
-
+    # ``stream`` checked against the pool's device, or the device's current stream now.
+    def resolve_stream(self, stream: Stream | None) -> Stream: ...
     def same_stream(self, a: Stream, b: Stream) -> bool: ...
-
-    def capturing(self, stream: Stream) -> bool:
-        """True while a CUDA graph capture would take a stage on ``stream``: ``stream``, the pool
-        device's current stream or the current device's current stream is capturing.
-
-        Optional for a caller's own transport (the ring then assumes no capture).
-        """
-        ...
-
-    def resolve_for_stage(self, stream: Stream | None) -> tuple[Stream, bool]:
-        """``(resolve_stream(stream), capturing(that stream))`` in as few calls as the path allows.
-
-        Optional, like ``capturing``: without it the ring asks the two questions apart.
-        """
-        ...
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
-        """One copy of ``src`` into ``dst`` on ``stream``: pinned host to device, or back."""
-        ...
-
-    def stream_wait(self, waiter: Stream, fence: Fence) -> None:
-        """Make ``waiter`` wait on the device for ``fence``: never a host wait."""
-        ...
-
+    # Whether a graph capture would take a stage on ``stream``: ``stream``, the pool device's
+    # current stream or the current device's current stream is capturing.
+    def capturing(self, stream: Stream) -> bool: ...
+    # ``(resolve_stream(stream), capturing(that stream))`` in as few calls as the path allows.
+    def resolve_for_stage(self, stream: Stream | None) -> tuple[Stream, bool]: ...
+    # One copy of ``src`` into ``dst`` on ``stream``: pinned host to device, or back.
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None: ...
+    # Make ``waiter`` wait on the device for ``fence``: never a host wait.
+    def stream_wait(self, waiter: Stream, fence: Fence) -> None: ...
     def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream) -> None: ...
-
-    def check_zero_copy(self, host_slab: torch.Tensor) -> tuple[PlatformReport, torch.Tensor | None]:
-        """Whether kernels can read ``host_slab`` in place; when they can, its device-readable alias.
-
-        Called once, at the creation of a pool with ``PoolSettings(zero_copy=True)``.
-        """
-        ...
+    # Whether kernels can read ``host_slab`` in place and, if so, its device-readable alias;
+    # called once, when a pool with ``PoolSettings(zero_copy=True)`` is created.
+    def check_zero_copy(self, host_slab: torch.Tensor) -> tuple[PlatformReport, torch.Tensor | None]: ...
 
 
 def wait_for_streams(transport: Transport, waiter: Stream, others: Iterable[tuple[Stream, Fence]]) -> None:
     """Make ``waiter`` wait, on the device, for the work queued so far on each other stream: never a host wait.
 
-    ``others``: (stream, a fence of its own to record there). A stream that is ``waiter``
-    itself is skipped: stream order covers it. The one home of this wait: the ring's
-    hand-off and consumer guards and a ``DeviceBlock``'s writer and readers use it.
+    ``others``: (stream, a fence of its own to record there); ``waiter`` itself is skipped (stream order).
     """
     for other, fence in others:
         if not transport.same_stream(other, waiter):
@@ -105,21 +72,18 @@ def wait_for_streams(transport: Transport, waiter: Stream, others: Iterable[tupl
 
 
 class HostWaitGuard:
-    """Whether a pool fence's host wait is refused now: inside ``pinpool.testing.no_sync``.
+    """Refuses a pool fence's host wait inside ``pinpool.testing.no_sync`` (``depth``: its open blocks).
 
-    The fence waits through a raw binding that torch's sync debug mode does not see, so it
-    asks here. The state lives in the library, and the test tool sets it, so that the
-    library imports no test tool.
+    The fence waits through a raw binding that torch's sync debug mode does not see, so it asks
+    here; the test tool sets the state, so that the library imports no test tool.
     """
 
     __slots__ = ("depth",)
 
     def __init__(self) -> None:
-        #: Open ``no_sync`` blocks (they nest).
         self.depth = 0
 
     def refuse(self, what: str) -> None:
-        """Raise ``HostSyncError`` for the host wait ``what`` inside a ``no_sync`` block."""
         if self.depth:
             raise HostSyncError(f"{what} inside no_sync()")
 
@@ -129,16 +93,13 @@ host_waits = HostWaitGuard()
 
 
 class _NoFence:
-    """Host memory needs no fence: a copy is done when ``copy`` returns."""
+    """Host memory needs no fence: a copy is done when ``copy`` returns, so recording and waiting do nothing."""
 
-    def record(self, stream: Stream) -> None:
-        return None
+    def record(self, stream: Stream) -> None: ...
+    def synchronize(self) -> None: ...
 
     def query(self) -> bool:
         return True
-
-    def synchronize(self) -> None:
-        return None
 
 
 class HostTransport:
@@ -160,9 +121,7 @@ class HostTransport:
         return _NoFence()
 
     def resolve_stream(self, stream: Stream | None) -> Stream:
-        if stream is not None:
-            # Host copies run in program order: a stream here can only be a mistake (a CUDA
-            # stream handed to a CPU pool would otherwise be ignored silently).
+        if stream is not None:  # host copies run in program order: a stream here is a mistake
             raise DeviceMismatchError(
                 f"'stream' must be None for a pool on {self.device}, which copies synchronously (got {stream!r})"
             )
@@ -180,12 +139,10 @@ class HostTransport:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
         dst.copy_(src)
 
-    def stream_wait(self, waiter: Stream, fence: Fence) -> None:
-        return None
+    def stream_wait(self, waiter: Stream, fence: Fence) -> None: ...
 
     def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream) -> None:
         dst_device.fill_(byte)
 
     def check_zero_copy(self, host_slab: torch.Tensor) -> tuple[PlatformReport, torch.Tensor | None]:
-        # Rule 7: "device" memory is host memory, so a zero-copy view is the slab itself.
-        return in_place_report("the host path"), host_slab
+        return in_place_report("the host path"), host_slab  # rule 7: "device" memory is the slab itself
