@@ -1,9 +1,7 @@
-"""Writing user values straight into a pinned host view, exactly or not at all.
+"""Writing user values straight into a pinned host view (one numpy assignment), exactly or not at all.
 
-A value is converted into the slot's own memory (one numpy assignment), never through an
-intermediate torch tensor. Conversions that would change a value (1.5 into int32, 2**40
-into int32, NaN into an integer, 1e39 into float32) raise instead: a scheduler bug must
-not become a silently wrong sampling parameter.
+A conversion that would change a value (1.5 or 2**40 into int32, NaN into an integer, 1e39 into
+float32) raises: a scheduler bug must not become a silently wrong sampling parameter.
 """
 
 from __future__ import annotations
@@ -19,30 +17,16 @@ import torch
 from pinpool.cache import BoundedCache
 from pinpool.exceptions import DeviceMismatchError, StagingTypeError, StagingValueError
 
-#: torch dtype -> numpy dtype of the host view. bfloat16 has no numpy twin and is
-#: written through torch instead.
-NUMPY_DTYPE: dict[torch.dtype, np.dtype[Any]] = {
-    torch.bool: np.dtype(np.bool_),
-    torch.uint8: np.dtype(np.uint8),
-    torch.int8: np.dtype(np.int8),
-    torch.int16: np.dtype(np.int16),
-    torch.int32: np.dtype(np.int32),
-    torch.int64: np.dtype(np.int64),
-    torch.float16: np.dtype(np.float16),
-    torch.float32: np.dtype(np.float32),
-    torch.float64: np.dtype(np.float64),
-}
+_TWINS = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
+#: torch dtype -> the numpy dtype of the host view (bfloat16 has none: it is written through torch).
+NUMPY_DTYPE: dict[torch.dtype, np.dtype[Any]] = {getattr(torch, name): np.dtype(name) for name in _TWINS}
 SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset([*NUMPY_DTYPE, torch.bfloat16])
 _INT_RANGE = {d: (int(np.iinfo(d).min), int(np.iinfo(d).max)) for d in NUMPY_DTYPE.values() if d.kind in "iu"}
 TORCH_DTYPE: dict[np.dtype[Any], torch.dtype] = {v: k for k, v in NUMPY_DTYPE.items()}
 
 
 def int_in_range(value: Any, low: int, high: int | None = None) -> bool:
-    """Whether ``value`` is an int, not a bool, with ``low <= value`` (and ``value <= high``).
-
-    The one integer check of the pool's arguments (counts, sizes, offsets, rows). A bool is
-    an int subclass but never a count; numpy integers are refused as before.
-    """
+    """Whether ``value`` is an int (not a bool, nor a numpy integer) with ``low <= value`` (``<= high``)."""
     if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)):
         return False
     return low <= value and (high is None or value <= high)
@@ -56,11 +40,7 @@ def check_dtype(dtype: Any, name: str) -> torch.dtype:
 
 
 def as_source(values: Any, dtype: torch.dtype | None, name: str) -> tuple[Any, torch.dtype, tuple[int, ...]]:
-    """Normalise ``values`` to (source, dtype, shape) without copying it anywhere yet.
-
-    The source is a numpy array, a CPU torch tensor (bfloat16 only), or a flat Python
-    sequence that the float fast path can assign directly.
-    """
+    """Normalise ``values``, not yet copied, to (a numpy array, CPU bfloat16 tensor or flat sequence, dtype, shape)."""
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise DeviceMismatchError(
@@ -68,29 +48,25 @@ def as_source(values: Any, dtype: torch.dtype | None, name: str) -> tuple[Any, t
             )
         target = check_dtype(values.dtype if dtype is None else dtype, name)
         src = values.detach()
-        if src.dtype in NUMPY_DTYPE:
-            return src.numpy(), target, tuple(src.shape)
-        return src, target, tuple(src.shape)
+        return (src.numpy() if src.dtype in NUMPY_DTYPE else src), target, tuple(src.shape)
     if isinstance(values, np.ndarray):
-        target = check_dtype(TORCH_DTYPE.get(values.dtype) if dtype is None else dtype, name)
-        return values, target, values.shape
+        return values, check_dtype(TORCH_DTYPE.get(values.dtype) if dtype is None else dtype, name), values.shape
     if isinstance(values, (bytes, bytearray, memoryview)):
         target = check_dtype(torch.uint8 if dtype is None else dtype, name)
-        np_dtype = NUMPY_DTYPE.get(target)
         raw = memoryview(values).cast("B")
-        itemsize = target.itemsize
-        if np_dtype is None or len(raw) % itemsize:
+        if target not in NUMPY_DTYPE or len(raw) % target.itemsize:
             raise StagingValueError(
-                f"'{name}' bytes must be a whole number of {target} elements ({itemsize} bytes each) (got {len(raw)})"
+                f"'{name}' bytes must be a whole number of {target} elements ({target.itemsize} bytes each) "
+                f"(got {len(raw)})"
             )
-        arr = np.frombuffer(raw, dtype=np_dtype)
+        arr = np.frombuffer(raw, dtype=NUMPY_DTYPE[target])
         return arr, target, arr.shape
     if dtype is None:
         raise StagingTypeError(f"'{name}' needs an explicit dtype for a {type(values).__name__} value")
     target = check_dtype(dtype, name)
     if isinstance(values, Sequence) and not isinstance(values, str):
         if len(values) and isinstance(values[0], (list, tuple, np.ndarray)):
-            arr = _from_python(values, target, name)
+            arr = _from_python(values, name)
             return arr, target, arr.shape
         return values, target, (len(values),)
     if isinstance(values, (int, float, bool, np.generic)):
@@ -100,7 +76,7 @@ def as_source(values: Any, dtype: torch.dtype | None, name: str) -> tuple[Any, t
     )
 
 
-def _from_python(values: Any, target: torch.dtype, name: str) -> np.ndarray[Any, Any]:
+def _from_python(values: Any, name: str) -> np.ndarray[Any, Any]:
     try:
         return np.asarray(values)
     except (ValueError, TypeError) as exc:
@@ -128,21 +104,12 @@ PACKERS: BoundedCache[tuple[torch.dtype, int], struct.Struct] = BoundedCache()
 def packer_for(dtype: torch.dtype, numel: int) -> struct.Struct | None:
     """The packer of a ``numel``-long list of ``dtype`` (cached in ``PACKERS``); None for a dtype struct lacks.
 
-    ``packer.pack_into(buffer, offset, *values)`` writes the list at ``buffer[offset:]``.
-    ``struct`` checks each element itself: ints (and ``__index__`` types) in range for
-    int32 / int64, so exactness needs no second pass; for floats, numbers rounded to the
-    nearest float32 / float64, and an ``OverflowError`` for a finite value too large for
-    float32 (where numpy would write inf and need a second pass to notice). Inside a
-    decode loop it costs about half of numpy's list parsing plus the witness checks of
-    ``write_list``. When it raises (``struct.error``, ``TypeError``, ``OverflowError``),
-    possibly after writing part of the range (still beyond the stage's committed bytes),
-    the caller goes through ``write_list``, which raises the typed error or writes what
-    struct would not take.
+    ``pack_into(buffer, offset, *values)`` checks each element itself (ints in range, floats that
+    fit: no second pass) at half ``write_list``'s cost. When it raises, maybe after writing part
+    of the range (past the stage's committed bytes), the caller falls back to ``write``.
     """
     code = _STRUCT_CODE.get(dtype)
-    if code is None:
-        return None
-    return PACKERS.put((dtype, numel), struct.Struct(f"={numel}{code}"))
+    return None if code is None else PACKERS.put((dtype, numel), struct.Struct(f"={numel}{code}"))
 
 
 def write_list(dst: np.ndarray[Any, Any], src: Any, target: torch.dtype, name: str) -> None:
@@ -150,22 +117,18 @@ def write_list(dst: np.ndarray[Any, Any], src: Any, target: torch.dtype, name: s
     kind = dst.dtype.kind
     if kind == "f":
         try:
-            # Overflow is detected below and raised as a typed error: numpy's own
-            # RuntimeWarning would only repeat it, in the user's log.
-            with np.errstate(over="ignore"):
+            with np.errstate(over="ignore"):  # overflow is raised below, as a typed error
                 dst[:] = src
         except OverflowError as exc:  # an int too large for any float (10**400)
             raise StagingValueError(f"'{name}' holds a number too large for {target} ({exc})") from exc
         except (ValueError, TypeError) as exc:
             raise StagingValueError(f"'{name}' must hold only numbers ({exc})") from exc
-        # Narrowing can overflow to inf silently. A finite sum proves every element is
-        # finite (cheaper than isfinite().all()); otherwise re-check the source exactly.
+        # Narrowing can overflow to inf silently: a finite sum (cheaper than isfinite) rules it out.
         if dst.dtype.itemsize < 8 and not math.isfinite(np.add.reduce(dst, dtype=np.float64)):
             _check_float_range(np.asarray(src, dtype=np.float64), dst.dtype, name)
         return
     if kind in "iu":
-        # numpy raises on out-of-range ints and NaN, but truncates 1.5 silently. The
-        # builtin sum is a cheap witness: it stays an int only if every element is one.
+        # numpy truncates 1.5 silently; the builtin sum stays an int only if every element is one.
         try:
             dst[:] = src
             exact = isinstance(sum(src), (int, np.integer))
@@ -173,14 +136,14 @@ def write_list(dst: np.ndarray[Any, Any], src: Any, target: torch.dtype, name: s
             exact = False
         if exact:
             return
-        # An int too big for numpy's int64 makes it parse the whole list as float64,
-        # where 2**63 and 2**63 - 1 compare equal: check Python ints exactly, here.
+        # An int too big for int64 makes numpy parse the whole list as float64, where 2**63
+        # and 2**63 - 1 compare equal: check Python ints exactly, here.
         lo, hi = _INT_RANGE[dst.dtype]
         for value in src:
             if isinstance(value, int) and not lo <= value <= hi:
                 raise StagingValueError(f"'{name}' must fit {dst.dtype} [{lo}, {hi}] (got {value})")
     # Bools and every rejected case: parse, then check what the cast would change.
-    _write_array(dst, _from_python(src, target, name), name)
+    _write_array(dst, _from_python(src, name), name)
 
 
 def _write_array(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], name: str) -> None:
@@ -203,12 +166,11 @@ def _write_array(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], name: str
                 raise StagingValueError(f"'{name}' must hold whole numbers for {want} (got {bad})")
         if kind != "b" and flat.size and not np.can_cast(flat.dtype, want):
             lo, hi = _INT_RANGE[want]
-            # Floats compare against hi + 1 (a power of two, exact in float64): float64
-            # rounds hi itself up to it, so "> hi" would let 2**63 through into int64.
+            # Floats compare against hi + 1 (a power of two, exact in float64): float64 rounds
+            # hi itself up to it, so "> hi" would let 2**63 through into int64.
             outside = (flat < lo) | ((flat >= hi + 1) if kind == "f" else (flat > hi))
             if outside.any():
-                bad = flat[outside][0]
-                raise StagingValueError(f"'{name}' must fit {want} [{lo}, {hi}] (got {bad})")
+                raise StagingValueError(f"'{name}' must fit {want} [{lo}, {hi}] (got {flat[outside][0]})")
     elif want.kind == "b":
         if kind != "b" and not ((flat == 0) | (flat == 1)).all():
             raise StagingValueError(f"'{name}' must hold only 0/1 for bool (got {flat[(flat != 0) & (flat != 1)][0]})")
@@ -218,9 +180,8 @@ def _write_array(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], name: str
 
 
 def _check_float_range(src: np.ndarray[Any, Any], want: np.dtype[Any], name: str) -> None:
-    finite = np.isfinite(src)
     limit = np.finfo(want).max
-    over = finite & (np.abs(src) > limit)
+    over = np.isfinite(src) & (np.abs(src) > limit)
     if over.any():
         raise StagingValueError(f"'{name}' must fit {want} (|x| <= {limit:.4g}) (got {src[over][0]})")
 

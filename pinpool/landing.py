@@ -1,19 +1,9 @@
-"""``land``: a kernel writes its output straight into a ring slot's pinned memory (zero-copy read-back).
+"""``land``: a kernel stores its output straight into a ring slot's pinned memory (zero-copy read-back).
 
-A graph replay's outputs (the sampled tokens) normally come back by a device-to-host copy
-queued after the replay: one more CUDA call a step. A landing field (``Field.landing``)
-instead stages, in the step's one copy, the pinned host address each live row's value should go to, and
-the graph's last kernel (``land``, captured with it) stores each value there over the
-bus. Padding rows carry address 0 and store nothing. The addresses are read on the
-device when the kernel runs, so one captured graph writes into whichever slot the step
-staged: the ring's rotation and fences work as for a copy.
-
-The slot's fence, recorded when the stage closes, follows the kernel (it must be launched
-before close, on the stage's stream or on a registered reader); the host reads the values
-after that fence, through the ``Landing`` handle.
-
-Needs host memory the device can write at the host's address (UVA pinned memory): a pool
-created with ``PoolSettings(zero_copy=True)`` whose platform check passed.
+A landing field (``Field.landing``) stages, in the step's one copy, each live row's pinned host
+address (0 on padding rows); ``land``, captured with the graph, stores each value there, so no copy
+follows the step. Launch it before the stage closes (so the slot's fence follows it) and read the
+values through the ``Landing`` handle. Needs a pool with ``PoolSettings(zero_copy=True)``.
 """
 
 from __future__ import annotations
@@ -29,15 +19,12 @@ from pinpool.exceptions import DeviceMismatchError, StagingTypeError, StagingVal
 
 #: The dtypes a writer may hand ``land`` (each value is stored as its landing's dtype).
 LANDING_DTYPES = (torch.int64, torch.int32, torch.float32)
-#: struct format per landing tag (``pinpool.stage.LANDING_TAG``): what the reference stores.
+#: struct format per landing tag (``pinpool.layout.LANDING_TAG``): what the reference stores.
 _PACK = {0: "=q", 1: "=i", 2: "=f"}
 
 
 def __getattr__(name: str) -> Any:
-    """``store_landed`` and ``BLOCK`` (for kernels that land their own output), loaded on first use.
-
-    Triton is imported here, not at the top: the pool and the CPU reference work without it.
-    """
+    """``store_landed`` and ``BLOCK``, for kernels that land their own output: Triton loads on first use."""
     if name in ("store_landed", "BLOCK"):
         from pinpool import landing_kernel
 
@@ -48,16 +35,12 @@ def __getattr__(name: str) -> Any:
 def land(values: torch.Tensor, addresses: torch.Tensor) -> None:
     """Store ``values[i]`` at host address ``addresses[i]`` for each i whose address is not 0.
 
-    ``values``: contiguous 1-D, a ``LANDING_DTYPES`` dtype; ``addresses``: contiguous 1-D
-    int64 of the same length on the same device, as a landing staged them (``Stage.land``,
-    or a ``Field.landing`` field of a layout): each carries its landing's
-    dtype in its two low bits, and the value is stored converted to it. On CUDA tensors
-    one kernel on the current stream (capturable); on CPU tensors the reference
-    (``land_reference``), or the kernel under ``TRITON_INTERPRET=1``.
+    ``addresses``: int64 as a landing staged them, each tagged in its two low bits with the landing's
+    dtype, which the value is stored as. CUDA tensors: one capturable kernel on the current stream;
+    CPU tensors: ``land_reference``, or the kernel under ``TRITON_INTERPRET=1``.
     """
     _check(values, addresses)
-    n = values.numel()
-    if n == 0:
+    if values.numel() == 0:
         return
     if values.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         from pinpool.landing_kernel import launch_land
@@ -81,19 +64,14 @@ def land_reference(values: torch.Tensor, addresses: torch.Tensor) -> None:
 
 def _check(values: torch.Tensor, addresses: torch.Tensor) -> None:
     if not isinstance(values, torch.Tensor) or values.dtype not in LANDING_DTYPES:
-        raise StagingTypeError(
-            f"'values' must be a tensor of {[str(d) for d in LANDING_DTYPES]} "
-            f"(got {getattr(values, 'dtype', type(values).__name__)})"
-        )
+        got = getattr(values, "dtype", type(values).__name__)
+        raise StagingTypeError(f"'values' must be a tensor of {[str(d) for d in LANDING_DTYPES]} (got {got})")
     if not isinstance(addresses, torch.Tensor) or addresses.dtype != torch.int64:
-        raise StagingTypeError(
-            f"'addresses' must be an int64 tensor (got {getattr(addresses, 'dtype', type(addresses).__name__)})"
-        )
+        got = getattr(addresses, "dtype", type(addresses).__name__)
+        raise StagingTypeError(f"'addresses' must be an int64 tensor (got {got})")
     if values.dim() != 1 or addresses.dim() != 1 or values.shape != addresses.shape:
-        raise StagingValueError(
-            f"'values' and 'addresses' must be 1-D of one length (got {tuple(values.shape)} and "
-            f"{tuple(addresses.shape)})"
-        )
+        shapes = f"{tuple(values.shape)} and {tuple(addresses.shape)}"
+        raise StagingValueError(f"'values' and 'addresses' must be 1-D of one length (got {shapes})")
     if not (values.is_contiguous() and addresses.is_contiguous()):
         raise StagingValueError("'values' and 'addresses' must be contiguous")
     if values.device != addresses.device:

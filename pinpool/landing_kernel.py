@@ -1,8 +1,4 @@
-"""The Triton side of ``pinpool.landing``: imported only when a landing kernel is launched or traced.
-
-Kept apart so that ``import pinpool.landing`` (and its CPU reference) works without triton
-installed; ``pinpool.landing.land`` imports this module at its first kernel launch.
-"""
+"""The Triton side of ``pinpool.landing``, imported at the first launch so that the pool needs no triton."""
 
 from __future__ import annotations
 
@@ -15,11 +11,10 @@ BLOCK = 256
 
 @triton.jit
 def store_landed(addr, value, mask):
-    """Store ``value`` at a tagged landing address, as the landing's dtype (the tag in its two low bits).
+    """Store ``value`` at a tagged landing address as the landing's dtype (``pinpool.layout.LANDING_TAG``).
 
-    Tag 0: int64, 1: int32, 2: float32 (``pinpool.stage.LANDING_TAG``); address 0 (a padding
-    row) and tag 3 store nothing. The width comes from the landing, never from the writer,
-    so a store cannot run past the bytes the landing reserved. Works on scalars and lanes.
+    Tag 0: int64, 1: int32, 2: float32; address 0 (a padding row) and tag 3 store nothing. The
+    width comes from the landing, never the writer: a store cannot run past the landing's bytes.
     """
     tag = addr & 3
     base = addr - tag
@@ -33,8 +28,7 @@ def store_landed(addr, value, mask):
 def _land_kernel(values_ptr, addr_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
-    # Each lane's own destination: the staged host address of its row (0 on padding rows).
-    addr = tl.load(addr_ptr + offs, mask=inside, other=0)
+    addr = tl.load(addr_ptr + offs, mask=inside, other=0)  # 0 on padding rows
     values = tl.load(values_ptr + offs, mask=inside, other=0)
     store_landed(addr, values, inside)
 
@@ -42,10 +36,10 @@ def _land_kernel(values_ptr, addr_ptr, n, BLOCK: tl.constexpr):
 def launch_land(values: torch.Tensor, addresses: torch.Tensor) -> None:
     """One ``_land_kernel`` over ``values`` [n] and ``addresses`` [n] int64, already checked by ``land``."""
     n = values.numel()
-    device = values.device
+    grid = (triton.cdiv(n, BLOCK),)
     # Triton launches on the current device's stream: run under the tensors' device.
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            _land_kernel[(triton.cdiv(n, BLOCK),)](values, addresses, n, BLOCK=BLOCK)
+    if values.device.type == "cuda" and values.device.index != torch.cuda.current_device():
+        with torch.cuda.device(values.device):
+            _land_kernel[grid](values, addresses, n, BLOCK=BLOCK)
         return
-    _land_kernel[(triton.cdiv(n, BLOCK),)](values, addresses, n, BLOCK=BLOCK)
+    _land_kernel[grid](values, addresses, n, BLOCK=BLOCK)

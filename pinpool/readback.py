@@ -1,9 +1,8 @@
 """``Readback``: device values brought back to a pinned slot, read when their fence has passed.
 
-The other direction of the ring: ``pool.readback(tensor)`` claims a slot like a stage,
-queues one device-to-pinned copy on its stream and records the slot's fence there. The
-host reads the values later (a decode loop reads step N's tokens while the GPU runs step
-N+1), so the wait in ``values()`` is normally already satisfied.
+``pool.readback(tensor)`` claims a slot like a stage, queues one device-to-pinned copy and
+records the slot's fence after it. The host reads later (step N's tokens while the GPU runs
+step N+1), so the wait in ``values()`` has normally passed already.
 """
 
 from __future__ import annotations
@@ -18,10 +17,7 @@ from pinpool.transport import Fence
 
 
 class SlotReads(Protocol):
-    """What a read-back handle asks of its ring (``PinnedRingBuffer`` is the one implementation).
-
-    Typed here, beside its user, so that this module never imports the ring: the ring imports it.
-    """
+    """What a read-back handle asks of its ring, typed here so that this module never imports the ring."""
 
     def slot_generation(self, slot: int) -> int: ...
 
@@ -39,6 +35,8 @@ class Readback:
     """
 
     __slots__ = ("_fence", "_host", "_landed_seen", "_pool", "generation", "slot")
+    #: Whether the fence covers the values: always for a copy; a ``Landing`` once its stage closed.
+    armed = True
 
     def __init__(self, pool: SlotReads, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any]):
         self._pool = pool
@@ -54,34 +52,38 @@ class Readback:
         return int(self._host.size)
 
     def ready(self) -> bool:
-        """True once the copy has landed (never blocks)."""
-        if not self._landed_seen:
+        """True once the values have landed (never blocks)."""
+        if not self._landed_seen and self.armed:
             self._landed_seen = self._fence.query()
         return self._landed_seen
 
     def values(self) -> np.ndarray[Any, Any]:
-        """The copied values as a numpy array of their own (waits if the copy is still queued)."""
+        """The values as a numpy array of their own (waits if they have not landed yet)."""
         self._landed()
         return self._host.copy()
 
     def tolist(self) -> Any:
-        """The copied values as Python numbers (waits if the copy is still queued).
-
-        What a scheduler wants for next-token ids; it skips the intermediate array of
-        ``values()``.
-        """
-        self._landed()
+        """The values as Python numbers, without ``values()``'s array (waits if they have not landed yet)."""
+        # ``_landed`` inline but for its errors: a decode loop reads one of these a step.
+        if not self.armed or self._pool.slot_generation(self.slot) != self.generation:
+            self._landed()  # raises
+        if not self._landed_seen:
+            if not self._fence.query():
+                self._pool.wait_for_readback(self._fence)
+            self._landed_seen = True
         return self._host.tolist()  # sync-ok: a numpy view of pinned host memory whose fence has passed (checked above)
 
-    def _stale(self) -> StaleLeaseError:
-        return StaleLeaseError(
-            f"{type(self).__name__.lower()} of generation {self.generation} (slot {self.slot}) was read after the "
-            f"slot was recycled; read it within {VIEW_LIFETIME}"
-        )
-
     def _landed(self) -> None:
+        if not self.armed:
+            raise PoolStateError(
+                f"landing of stage {self.generation} (slot {self.slot}) was read before its stage closed, or its "
+                "stage was aborted: the slot's fence follows the writing kernel only after a successful close"
+            )
         if self._pool.slot_generation(self.slot) != self.generation:
-            raise self._stale()
+            raise StaleLeaseError(
+                f"{type(self).__name__.lower()} of generation {self.generation} (slot {self.slot}) was read after "
+                f"the slot was recycled; read it within {VIEW_LIFETIME}"
+            )
         if not self._landed_seen:
             if not self._fence.query():
                 self._pool.wait_for_readback(self._fence)
@@ -89,58 +91,20 @@ class Readback:
 
 
 class Landing(Readback):
-    """Values a kernel writes straight into a stage's slot (``Field.landing``, ``Stage.land``), read after its fence.
+    """Values a kernel stores straight into a stage's slot through UVA (``Field.landing``, ``Stage.land``).
 
-    Nothing is copied: the kernel stores into the pinned slot through UVA. The fence that
-    covers it is recorded when the stage closes, so the handle is readable only after a
-    successful close; reading it before, or after an aborted stage, raises
-    ``PoolStateError``. Then it reads like a ``Readback`` (``values``, ``tolist``,
-    ``ready``), within ``num_slots - 1`` further claims of the ring (``VIEW_LIFETIME``).
+    The fence covers them once the stage closes successfully (``armed``): reading before that, or
+    after an aborted stage, raises ``PoolStateError``. Then it reads like a ``Readback``.
     """
 
     __slots__ = ("armed",)
 
     def __init__(self, pool: SlotReads, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any]):
-        # ``Readback.__init__``'s fields, set here without the extra call: a decode step
-        # makes one of these right after its launches, when every call runs cold.
+        # ``Readback.__init__`` inline: a decode step makes one of these right after its launches.
         self._pool = pool
         self.slot = slot
         self.generation = generation
         self._fence = fence
         self._host = host
         self._landed_seen = False
-        #: Set by the stage's successful close, once the fence follows the writing kernel.
-        self.armed = False
-
-    def ready(self) -> bool:
-        if not self.armed:
-            return False
-        if not self._landed_seen:
-            self._landed_seen = self._fence.query()
-        return self._landed_seen
-
-    def tolist(self) -> Any:
-        """The landed values as Python numbers (waits if the writer has not run yet)."""
-        # ``_landed`` inline: a decode loop reads one of these a step, right after its launches.
-        if not self.armed or self._pool.slot_generation(self.slot) != self.generation:
-            self._landed()  # raises: read before a successful close, or the slot recycled
-        if not self._landed_seen:
-            if not self._fence.query():
-                self._pool.wait_for_readback(self._fence)
-            self._landed_seen = True
-        return self._host.tolist()  # sync-ok: a numpy view of pinned host memory whose fence has passed (checked above)
-
-    def _landed(self) -> None:
-        # ``Readback._landed`` with the armed check first, in one call (a decode loop reads
-        # one of these a step).
-        if not self.armed:
-            raise PoolStateError(
-                f"landing of stage {self.generation} (slot {self.slot}) was read before its stage closed, or its "
-                "stage was aborted: the slot's fence follows the writing kernel only after a successful close"
-            )
-        if self._pool.slot_generation(self.slot) != self.generation:
-            raise self._stale()
-        if not self._landed_seen:
-            if not self._fence.query():
-                self._pool.wait_for_readback(self._fence)
-            self._landed_seen = True
+        self.armed = False  # set by the stage's successful close
