@@ -392,9 +392,6 @@ class PinnedRingBuffer:
         if self._debug and ok and (in_place or st.landing_bytes):
             self._refuse_unregistered_reader(st)
 
-    def _retain(self, slot: int, objs: tuple[Any, ...]) -> None:
-        self._slots[slot].retained.extend(objs)
-
     def _resolve_then_ask(self, stream: Stream | None) -> tuple[Stream, bool]:
         """``resolve_for_stage`` for a transport without it: the two questions apart (no ``capturing``: never)."""
         resolved = self._transport.resolve_stream(stream)

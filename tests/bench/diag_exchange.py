@@ -52,12 +52,12 @@ def _min_decode(self: Engine) -> Any:
         fence = pool._slots[slot].fence
         if not fence.passed and not fence.query():
             fence.synchronize()
-        last = pool._last_stream[slot]
+        last = pool._slots[slot].last_user
         if last is not stream and last.stream_id != sid:
-            wait_for_streams(pool._transport, stream, ((last, pool._handoff[slot]),))
-        pool._last_stream[slot] = stream
+            wait_for_streams(pool._transport, stream, ((last, pool._slots[slot].handoff),))
+        pool._slots[slot].last_user = stream
         pool._generation += 1
-        pool._slot_generation[slot] = pool._generation
+        pool._slots[slot].generation = pool._generation
         plan = self._min_plans.get((slot, bs))
         if plan is None:
             plan = self._min_plans[(slot, bs)] = _plan(pool, slot, bs)
@@ -75,7 +75,7 @@ def _min_decode(self: Engine) -> Any:
     reader: Any = self.reader
 
     def read() -> list[int]:
-        if pool._slot_generation[slot] != generation:
+        if pool._slots[slot].generation != generation:
             raise RuntimeError("stale")
         if not fence.passed:
             if not _query(fence):
