@@ -10,41 +10,53 @@ class PinpoolError(Exception):
     """Base class of every error raised by pinpool, sampling and memcache."""
 
 
-class SettingsError(PinpoolError, ValueError): ...  # a settings field broke its rule
+class SettingsError(PinpoolError, ValueError):
+    """A settings field broke its rule."""
 
 
-class SettingsTypeError(SettingsError, TypeError): ...  # wrong type (``debug='yes'``): ``except TypeError`` works
+class SettingsTypeError(SettingsError, TypeError):
+    """Wrong type (``debug='yes'``): ``except TypeError`` works."""
 
 
-class SettingsWarning(UserWarning): ...  # a ``PINPOOL_*`` variable nothing reads (most likely a typo)
+class SettingsWarning(UserWarning):
+    """A ``PINPOOL_*`` variable nothing reads (most likely a typo)."""
 
 
-class CapacityError(PinpoolError, ValueError): ...  # a stage needs more bytes than its slot (or owned buffer) holds
+class CapacityError(PinpoolError, ValueError):
+    """A stage needs more bytes than its slot (or owned buffer) holds."""
 
 
-class StagingTypeError(PinpoolError, TypeError): ...  # a put value of a type or dtype pinpool cannot stage
+class StagingTypeError(PinpoolError, TypeError):
+    """A put value of a type or dtype pinpool cannot stage."""
 
 
-class StagingValueError(PinpoolError, ValueError): ...  # a put value that does not convert exactly to its dtype
+class StagingValueError(PinpoolError, ValueError):
+    """A put value that does not convert exactly to its dtype."""
 
 
-class DeviceMismatchError(PinpoolError, ValueError): ...  # a stream or tensor on another device than the pool's
+class DeviceMismatchError(PinpoolError, ValueError):
+    """A stream or tensor on another device than the pool's."""
 
 
-class PoolStateError(PinpoolError, RuntimeError): ...  # a call the pool's state forbids (closed, nested stage)
+class PoolStateError(PinpoolError, RuntimeError):
+    """A call the pool's state forbids (closed, nested stage)."""
 
 
-class ThreadOwnershipError(PoolStateError): ...  # a pool used from a thread other than its creator's
+class ThreadOwnershipError(PoolStateError):
+    """A pool used from a thread other than its creator's."""
 
 
-class StaleLeaseError(PinpoolError, RuntimeError): ...  # a staged slice used after its slot was recycled
+class StaleLeaseError(PinpoolError, RuntimeError):
+    """A staged slice used after its slot was recycled."""
 
 
-class HostSyncError(PinpoolError, RuntimeError): ...  # code inside ``no_sync()`` made the host wait on the GPU
+class HostSyncError(PinpoolError, RuntimeError):
+    """Code inside ``no_sync()`` made the host wait on the GPU."""
 
 
-class PlatformError(PoolStateError): ...  # zero-copy refused: the platform check found the slab unfit for UVA reads
+class PlatformError(PoolStateError):
+    """Zero-copy refused: the platform check found the slab unfit for UVA reads."""
 
 
-# (debug) A zero-copy stage closed under a stream that is neither its own nor a registered consumer.
-class UnguardedReaderError(PoolStateError): ...
+class UnguardedReaderError(PoolStateError):
+    """(debug) A zero-copy stage closed under a stream that is neither its own nor a registered consumer."""

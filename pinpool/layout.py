@@ -141,7 +141,8 @@ class Layout:
     def plan(self, rows: int) -> Plan:
         """Where every field sits for ``rows`` padded rows (``0 <= rows <= max_rows``).
 
-        Computed on each call, not kept: a stage keeps what it needs with its slot (``Placed``).
+        Computed on each call, not kept: a ring, in-place or block stage keeps what it needs with
+        its slot (``Placed``); an owned stage computes it once per stage.
         """
         self.check_rows(rows)
         offsets, cursor = [], 0
@@ -161,17 +162,17 @@ class Layout:
             raise StagingValueError(f"'name' must be a declared field, one of {list(self.index)} (got {name!r})")
         return index
 
-    def host_views(self, raw: np.ndarray[Any, Any], rows: int) -> list[np.ndarray[Any, Any]]:
+    def host_views(self, raw: np.ndarray[Any, Any], rows: int, plan: Plan | None = None) -> list[np.ndarray[Any, Any]]:
         """Each field's ``rows`` elements as a typed numpy view of ``raw`` (uint8, the layout's bytes)."""
-        plan = self.plan(rows)
+        plan = self.plan(rows) if plan is None else plan
         return [
             raw[off : off + rows * size].view(NUMPY_DTYPE[f.dtype])
             for f, off, size in zip(self.fields, plan.offsets, self.itemsizes, strict=True)
         ]
 
-    def device_views(self, raw: torch.Tensor, rows: int) -> dict[str, torch.Tensor]:
+    def device_views(self, raw: torch.Tensor, rows: int, plan: Plan | None = None) -> dict[str, torch.Tensor]:
         """name -> each field's ``rows`` elements as a typed view of ``raw`` (uint8 device memory)."""
-        plan = self.plan(rows)
+        plan = self.plan(rows) if plan is None else plan
         return {
             f.name: raw[off : off + rows * size].view(f.dtype)
             for f, off, size in zip(self.fields, plan.offsets, self.itemsizes, strict=True)

@@ -39,7 +39,7 @@ class LayoutStep:
             return
         i, at, dtype = spec
         live = self.live
-        packer = PACKERS.get((dtype, live)) or packer_for(dtype, live) if type(values) is list else None
+        packer = (PACKERS.get((dtype, live)) or packer_for(dtype, live)) if type(values) is list else None
         if packer is not None and len(values) == live:
             try:
                 # Packed aside (pack_into may write part of the field before it raises): a

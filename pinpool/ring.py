@@ -1,10 +1,10 @@
 """``PinnedRingBuffer``: persistent pinned host slots, their device mirror, and the rules of reuse.
 
-The ring owns every slot's state: its fence, its last user's stream, its generation and
-what it keeps alive. A value's path: ``Stage.put`` writes the slot's pinned bytes
-(stage.py), ``_issue_copy`` lands the used bytes with one copy on the stage's stream,
-``_finish`` records the slot's fence there, and the next ``_claim`` of the slot waits on
-that fence before the host writes the bytes again.
+Each slot's state (its fence, its last user's stream, its generation, what it keeps alive)
+lives in its ``SlotMemory`` (slot.py); the ring applies the rules to it. A value's path:
+``Stage.put`` writes the slot's pinned bytes (stage.py), ``_issue_copy`` lands the used
+bytes with one copy on the stage's stream, ``_finish`` records the slot's fence there, and
+the next ``_claim`` of the slot waits on that fence before the host writes the bytes again.
 
 The rules, each kept in one place:
 1. the host rewrites a slot only after its fence has passed (``_claim``);
@@ -139,9 +139,10 @@ class PinnedRingBuffer:
         for i in range(settings.num_slots):
             span = slice(i * slot_bytes, (i + 1) * slot_bytes)
             host, device = self.host_slab[span], self.device_mirror[span]
-            mem = SlotMemory(host, device, host_bytes, span.start, settings.alignment, transport.new_fence())
-            mem.last_user, mem.handoff = first_user, transport.new_fence()
-            slots.append(mem)
+            fence, handoff = transport.new_fence(), transport.new_fence()
+            slots.append(
+                SlotMemory(host, device, host_bytes, span.start, settings.alignment, fence, first_user, handoff)
+            )
         return slots
 
     # -- what a user calls -------------------------------------------------------------

@@ -27,6 +27,8 @@ OTHER_ENV = {
     "PINPOOL_SERVE_CONFIGS": "pinpool.bench.engine.serve_bench",
     "PINPOOL_SERVE_LOADS": "pinpool.bench.engine.serve_bench",
     "PINPOOL_SERVE_REQUESTS": "pinpool.bench.engine.serve_bench",
+    "PINPOOL_SERVE_DTYPE": "pinpool.bench.engine.serve_bench",
+    "PINPOOL_SERVE_COUNTS": "pinpool.bench.engine.serve_bench",
     **dict.fromkeys(_DEVICE_SCRIPT_ENV.split(), "tests/bench/run_on_device.sh"),
 }
 #: Where a pool's slab and mirror can live: transports exist for these only.

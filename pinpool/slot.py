@@ -1,7 +1,10 @@
-"""One ring slot's memory and what a stage needs from its owners: the pieces ``Stage`` is built on.
+"""One ring slot: its memory and state (``SlotMemory``), and a layout placed in it (``Placed``).
 
-- ``SlotMemory``: a slot's pinned bytes, their device mirror, their UVA alias and the slot's fence;
-- ``Placed``: a layout placed in a slot for one row count, made once and kept with the slot;
+``SlotMemory`` is the one home of everything per slot: the pinned bytes, their device mirror
+and UVA alias, the slot's fence, the generation of the claim holding it, its last device
+user's stream with the hand-off fence, the objects kept alive until its fence, and the one
+cache of what a step makes at the same bytes lap after lap. ``typed_view`` carves a typed
+view out of uint8 memory.
 """
 
 from __future__ import annotations
@@ -16,11 +19,11 @@ from pinpool.cache import BoundedCache
 from pinpool.encode import NUMPY_DTYPE
 from pinpool.exceptions import CapacityError, DeviceMismatchError, PoolStateError
 from pinpool.layout import LANDING_ITEMSIZE, Layout, align_up, landing_column
-from pinpool.transport import Fence
+from pinpool.transport import Fence, Stream
 
 
 class SlotMemory:
-    """One slot's pinned bytes (as torch, numpy and the slab's memoryview) and the device memory it copies to."""
+    """One slot's pinned bytes (as torch, numpy and the slab's memoryview), its device memory, its state."""
 
     __slots__ = (
         "address",
@@ -48,6 +51,8 @@ class SlotMemory:
         host_base: int,
         alignment: int,
         fence: Fence,
+        last_user: Stream,
+        handoff: Fence,
     ) -> None:
         self.host_raw = host_raw
         self.device_raw = device_raw
@@ -61,9 +66,9 @@ class SlotMemory:
         #: The claim holding the slot now (a view or handle is live while its generation matches).
         self.generation = 0
         #: The stream of the slot's last device user, and a fence to record there when a claim
-        #: on another stream must wait for it (rule 2); set by the ring.
-        self.last_user: Any = None
-        self.handoff: Fence = fence
+        #: on another stream must wait for it (rule 2).
+        self.last_user = last_user
+        self.handoff = handoff
         #: Objects kept alive until the slot's fence has passed (rule 5).
         self.retained: list[Any] = []
         self.address: int = host_raw.data_ptr()
@@ -89,8 +94,8 @@ class SlotMemory:
         if hit is None:
             values = self.host[torch.uint8][start : start + numel * LANDING_ITEMSIZE[dtype]].view(NUMPY_DTYPE[dtype])
             hit = self.views.put(key, ((landing_column(numel, dtype) + (self.address + start)).tobytes(), values))
-        column: tuple[bytes, np.ndarray[Any, Any]] = hit
-        return column
+        column_and_values: tuple[bytes, np.ndarray[Any, Any]] = hit
+        return column_and_values
 
     def readback_views(self, src: torch.Tensor, offset: int, device: torch.device) -> tuple[torch.Tensor, Any, int]:
         """(pinned torch view, numpy view, bytes) a read-back of ``src`` at ``offset`` copies into; typed errors.
@@ -142,9 +147,9 @@ class Placed:
         plan = layout.plan(rows)
         self.nbytes = plan.nbytes
         self.cursor = align_up(plan.nbytes, mem.alignment)
-        self.host_views = layout.host_views(mem.host[torch.uint8], rows)
+        self.host_views = layout.host_views(mem.host[torch.uint8], rows, plan)
         #: A block's own views where the layout lands in one (the tensors a graph captured).
-        self.views = dict(views) if views is not None else layout.device_views(dst, rows)
+        self.views = dict(views) if views is not None else layout.device_views(dst, rows, plan)
         at = [mem.host_base + off for off in plan.offsets]
         #: name -> (index, the field's first byte in the slab, dtype), input fields only.
         self.fields = {f.name: (i, at[i], f.dtype) for i, f in enumerate(layout.fields) if f.lands is None}

@@ -429,7 +429,8 @@ class Stage:
         self._cursor = align_up(self.used_bytes, self._mem.alignment)
         if self.placement is OWNED:  # an owned buffer may be another one next time: made, never kept
             return typed_view(self.dst, dtype, start, numel)
-        return self._mem.device_view(self.dst, dtype, start, numel)
+        hit = self._mem.views.get((id(self.dst), dtype, start, numel))  # the lookup inline: one call less a put
+        return hit[1] if hit is not None else self._mem.device_view(self.dst, dtype, start, numel)
 
     def _claim_tail(self, nbytes: int, name: str) -> int:
         align = self._mem.alignment

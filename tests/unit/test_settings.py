@@ -93,3 +93,29 @@ def test_known_variables_read_elsewhere_do_not_warn() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         PoolSettings.from_env({**dict.fromkeys(OTHER_ENV, "1"), "PINPOOL_DEVICE": "cpu", "PATH": "/bin"})
+
+
+def test_every_pinpool_variable_the_repository_reads_is_known_to_from_env() -> None:
+    """Catches a new ``PINPOOL_*`` knob (a bench's, a script's) that ``from_env`` would warn about
+    as a typo, suggesting the wrong variable: each must be a settings field or in ``OTHER_ENV``."""
+    import re
+    from pathlib import Path
+
+    import attrs
+
+    root = Path(__file__).resolve().parents[2]
+    fields = {"PINPOOL_" + f.name.upper() for f in attrs.fields(PoolSettings)}
+    files = [
+        p
+        for d in ("pinpool", "sampling", "memcache", "tests")
+        for p in (root / d).rglob("*")
+        if p.suffix in (".py", ".sh")
+    ]
+    # A name read from the environment: os.environ / getenv with it, or a shell ${NAME...} / $NAME.
+    pattern = re.compile(
+        r"(?:environ(?:\.get)?\(|getenv\(|environ\[)\s*['\"](PINPOOL_[A-Z0-9_]+)|\$\{?(PINPOOL_[A-Z0-9_]+)"
+    )
+    read = {a or b for p in files for a, b in pattern.findall(p.read_text(errors="replace"))}
+    assert read, "the scan found no variable at all: the pattern is broken"
+    unknown = sorted(read - fields - set(OTHER_ENV))
+    assert not unknown, f"read somewhere but unknown to PoolSettings.from_env: {unknown}"
