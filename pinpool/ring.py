@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -90,10 +89,7 @@ class PinnedRingBuffer:
             raise DeviceMismatchError(
                 f"'transport' must serve the settings' device {settings.device} (got {self._transport.device})"
             )
-        #: The stage's stream and whether a capture would take it, in one call where the transport can.
-        self._resolve_for_stage: Callable[[Stream | None], tuple[Stream, bool]] = getattr(
-            self._transport, "resolve_for_stage", self._resolve_then_ask
-        )
+        self._resolve_for_stage = self._transport.resolve_for_stage  # the stage's stream, and whether it is capturing
         self._num_slots = settings.num_slots
         self._debug = settings.debug
         self._slots = self._allocate(settings)
@@ -392,12 +388,6 @@ class PinnedRingBuffer:
         counters.zero_copy_stages += in_place
         if self._debug and ok and (in_place or st.landing_bytes):
             self._refuse_unregistered_reader(st)
-
-    def _resolve_then_ask(self, stream: Stream | None) -> tuple[Stream, bool]:
-        """``resolve_for_stage`` for a transport without it: the two questions apart (no ``capturing``: never)."""
-        resolved = self._transport.resolve_stream(stream)
-        capturing = getattr(self._transport, "capturing", None)
-        return resolved, capturing is not None and bool(capturing(resolved))
 
     def _check_can_land(self) -> None:
         if not self.can_land:

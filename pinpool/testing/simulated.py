@@ -177,6 +177,10 @@ class LaggingGpu:
         current = self._current
         return stream.capturing or current[self.device_index].capturing or current[self.current_device].capturing
 
+    def resolve_for_stage(self, stream: SimStream | None) -> tuple[SimStream, bool]:
+        resolved = self.resolve_stream(stream)
+        return resolved, self.capturing(resolved)
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: SimStream) -> None:
         to_host = self._is_host(dst)
         pinned = dst if to_host else src
