@@ -264,16 +264,17 @@ class Stage:
         if type(values) is list and type(dtype) is torch.dtype:
             # A scheduler's per-request list: struct checks each element (ints in range,
             # floats that fit) and packs it straight into the slot.
-            packer = PACKERS.get((dtype, len(values))) or packer_for(dtype, len(values))
+            numel = len(values)
+            packer = PACKERS.get((dtype, numel)) or packer_for(dtype, numel)
             start = self._cursor
-            if packer is not None and start + packer.size <= min(self.capacity, self.tail):
+            if packer is not None and (end := start + packer.size) <= self.capacity and end <= self.tail:
                 mem = self._mem
                 try:
                     packer.pack_into(mem.host_bytes, mem.host_base + start, *values)
                 except (struct.error, TypeError, OverflowError):
                     pass  # not exact as struct packs it: the general path converts or raises typed
                 else:
-                    return self._advance(start, dtype, len(values), packer.size)
+                    return self._advance(start, dtype, numel, packer.size)
         src, target, shape = as_source(values, dtype, name)
         numel = math.prod(shape)
         start, nbytes = self._cursor, numel * _ITEMSIZE[target]
