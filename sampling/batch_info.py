@@ -24,8 +24,9 @@ import torch
 
 from pinpool import DeviceMismatchError, PinnedRingBuffer, PoolStateError, Stage
 from sampling import columns
+from sampling.columns import Columns, Parts
 from sampling.exceptions import BatchMismatchError
-from sampling.host_records import check_bias_tokens, gather_records, keep_array, same_device
+from sampling.host_records import check_bias_tokens, gather_records, same_device, take_rows
 from sampling.logit_bias import BiasOf, SparseLogitBias, merged_block
 from sampling.params import (
     FLAG_BIAS,
@@ -90,6 +91,8 @@ class SamplingBatchInfo:
     need_top_k_sampling: bool = attrs.field(init=False)
     need_min_p_sampling: bool = attrs.field(init=False)
     _dense_bias: torch.Tensor | None = attrs.field(init=False, default=None, repr=False)
+    #: ``columns`` cut into its five int32 pieces (``sampling.columns.Parts``), for ``merge_batch``.
+    _parts: Parts = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._derive()
@@ -221,12 +224,8 @@ class SamplingBatchInfo:
         """
         if self.stage_bound:
             self._refuse_edit("filter_batch")
-        keep = keep_array(keep_indices)
         bs = len(self.host_records)
-        # One bound check: a negative index read as unsigned is past any batch size.
-        if keep.size and int(np.maximum.reduce(keep.view(np.uint64))) >= bs:
-            got = keep.tolist()[:8]  # sync-ok: numpy host array, no device read
-            raise BatchMismatchError(f"'keep_indices' must be in [0, {bs}) (got {got})")
+        keep, kept_records = take_rows(self.host_records, keep_indices)  # host only: checks the indices
         # Before anything is staged: staging claims a slot, and that claim may be the one
         # that recycles this batch's own (a ring batch is live for num_slots - 1 claims).
         self.check_live()
@@ -234,9 +233,10 @@ class SamplingBatchInfo:
             # A ring batch's columns stay in the ring's device mirror until the gather below
             # reads them; an owned stage never writes the mirror, so even a claim of the
             # batch's own slot leaves them intact. An owned batch takes a ring stage.
-            owned_bytes = keep.nbytes if self.lease is not None else None
+            wide = keep.astype(np.int64, copy=False)
+            owned_bytes = wide.nbytes if self.lease is not None else None
             with self.pool.stage(owned=owned_bytes) as st:
-                keep_indices_device = st.put(keep, torch.int64, name="keep_indices")
+                keep_indices_device = st.put(wide, torch.int64, name="keep_indices")
         elif (
             keep_indices_device.dtype != torch.int64
             or keep_indices_device.shape != (keep.size,)
@@ -252,13 +252,13 @@ class SamplingBatchInfo:
         if self.sparse_logit_bias is not None:
             block = self.sparse_logit_bias.filtered(self.host_records["n_bias"], keep)
             sparse = SparseLogitBias.land(self.pool, block)
-        selected = columns.select(self.columns, bs, keep_indices_device)
+        selected, *cut = columns.select_parts(self.columns, self._parts, bs, keep_indices_device)
         self.columns = selected
-        self.host_records = self.host_records.take(keep)  # take: a fifth of fancy indexing's cost on records
+        self.host_records = kept_records
         self.sparse_logit_bias = sparse
         self.lease = None
         self.flag_bits = None  # the kept rows' bits are reduced anew
-        self._derive()
+        self._derive(*cut)
 
     def merge_batch(self, other: SamplingBatchInfo) -> None:
         """Append ``other``'s rows after this batch's."""
@@ -280,11 +280,12 @@ class SamplingBatchInfo:
         # The joined rows' bits follow from the two batches' own: no pass over the records.
         assert self.flag_bits is not None and other.flag_bits is not None  # set by every _derive
         bits = (self.flag_bits[0] | other.flag_bits[0], self.flag_bits[1] & other.flag_bits[1])
-        joined = columns.concat(self.columns, len(self), other.columns, len(other))
+        joined = columns.concat_parts(self._parts, other._parts)
         self.columns = joined
-        # As bytes: numpy's concatenate of structured arrays re-derives their common dtype.
-        self.host_records = np.concatenate([self.host_records.view(np.uint8), other.host_records.view(np.uint8)]).view(
-            RECORD_DTYPE
+        # As bytes (numpy's concatenate of structured arrays re-derives their common dtype), into
+        # a bytearray: writable records without a copy.
+        self.host_records = np.frombuffer(
+            bytearray().join((self.host_records.data, other.host_records.data)), RECORD_DTYPE
         )
         self.sparse_logit_bias = sparse
         self.lease = None
@@ -346,12 +347,16 @@ class SamplingBatchInfo:
             "and use stage= for per-step batches that are sampled and dropped inside the stage"
         )
 
-    def _derive(self) -> None:
+    def _derive(self, parts: Parts | None = None, views: Columns | None = None) -> None:
+        """Set the column views and flags from ``columns`` and ``host_records`` (``parts`` and
+        ``views``: the columns' pieces and views, when the caller already cut them)."""
         bs = len(self.host_records)
-        if self.lease is not None:
-            views = columns.ring_views(self.columns, bs, self.pool)
+        if parts is not None and views is not None:
+            self._parts = parts
+        elif self.lease is not None:
+            self._parts, views = columns.ring_views(self.columns, bs, self.pool)
         else:
-            views = columns.views(self.columns, bs)
+            self._parts, views = columns.parts_and_views(self.columns, bs)
         self.temperatures, self.top_ps, self.top_ks, self.min_ps, seeds = views
         self.sampling_seed = seeds if self.deterministic else None
         self._dense_bias = None

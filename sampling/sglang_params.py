@@ -19,17 +19,20 @@ batch (``Scheduler.chunked_req``) and retracted requests coming back, at most a 
 batch; a cache keyed by object would pay its bookkeeping on every miss to save them.
 
 How a batch is read: one pass per field over the params objects (``map`` with an
-``attrgetter``, the same attribute reads sglang's list comprehensions make), each list
-converted at C speed by ``struct``, then a fixed number of numpy operations for the
-whole batch. No Python object is made per request. A list holding anything but plain
-numbers (None, a bool, a numpy scalar, a string) goes through the checked conversion,
-which applies the same rules value by value and names the first bad one.
+``attrgetter``, the same attribute reads sglang's list comprehensions make), one type pass
+over the values, one ``struct`` call converting them all at C speed, then some twenty numpy
+operations for the whole batch (one comparison checks every range, one more gives every
+flag). No Python object is made per request. Values that are not plain numbers (None, a
+bool, a numpy scalar, a string) go through the checked conversion, which applies the same
+rules value by value and names the first bad one. Up to ``SMALL_BATCH`` requests are packed
+one by one in plain Python instead, where numpy's fixed cost per operation would dominate.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+import sys
 from collections.abc import Mapping, Sequence
 from itertools import compress, repeat
 from operator import attrgetter, is_not
@@ -62,29 +65,43 @@ _GET = {name: attrgetter(name) for name in _FIELDS}
 #: Element types the fast conversion takes as they are; anything else is checked one by one.
 _FLOAT_KINDS = frozenset({float, int})
 _INT_KINDS = frozenset({int})
-_SEED_KINDS = frozenset({int, type(None)})
-#: ``map(_SEED_OR_DEFAULT, seeds, seeds)`` swaps None for the default seed at C speed.
-_SEED_OR_DEFAULT = {None: DEFAULT_SEED}.get
-#: Lower and upper bounds of the (temperature, top_p, min_p) rows, checked in one comparison.
-#: top_p must be > 0: its bound is the smallest positive double. NaN fails both sides.
-_LO = np.array([[0.0], [np.nextafter(0.0, 1.0)], [0.0]])
-_HI = np.array([[F32_MAX], [1.0], [1.0]])
-#: The right-hand sides of the flag comparisons (see ``_pack_vectorised``).
-_K_BELOW = np.array([[2], [TOP_K_ALL]])
-_P_NOT = np.array([[1.0], [0.0]])
-_FLOAT_RULES = (
-    ("temperature", "must be finite, >= 0 and fit float32"),
-    ("top_p", "must be in (0, 1]"),
-    ("min_p", "must be in [0, 1]"),
-)
+#: Bounds of the vectorised packer's grid rows (temperature, top_p, top_k, min_p), top_k's
+#: once -1 is read as TOP_K_ALL. top_p must be > 0: its bound is the smallest positive double.
+#: NaN fails both sides.
+_LO = np.array([[0.0], [np.nextafter(0.0, 1.0)], [1.0], [0.0]])
+_HI = np.array([[F32_MAX], [1.0], [float(TOP_K_ALL)], [1.0]])
+#: The lower bounds of a grid that needs no normalising (no greedy temperature, so no top_k
+#: -1 either: sglang's own params arrive so), then just past the upper bounds: one ``>=``
+#: against both says whether the grid is in range and done.
+_BOUNDS = np.array([[[GREEDY_EPS], [np.nextafter(0.0, 1.0)], [1.0], [0.0]], np.nextafter(_HI, np.inf)])
+_TOP_K_ALL_F = np.array(float(TOP_K_ALL))
+_ONE = np.array(1.0)
+#: The flag comparisons' right-hand sides, for rows top_p, top_k, min_p, top_k (``!=``).
+_FLAG_NE = np.array([[1.0], [1.0], [0.0], [float(TOP_K_ALL)]])
+#: Bytes (top_p, not greedy, min_p, top_k) of a uint32 times this put their bits at 25, 24,
+#: 27, 26: flags bits 1, 0, 3, 2 once shifted down by 24. The other products land below bit
+#: 20 (no carry reaches bit 24) or past bit 31 (dropped).
+_FLAG_MAGIC = np.uint32((1 << 25) + (1 << 16) + (1 << 11) + (1 << 2))
+_GREEDY_BIT = np.uint32(1 << 24)
+#: The float rows of the grid (see ``_pack_vectorised``): their names and rules.
+_FLOAT_RULES = {
+    0: ("temperature", "must be finite, >= 0 and fit float32"),
+    1: ("top_p", "must be in (0, 1]"),
+    3: ("min_p", "must be in [0, 1]"),
+}
 
-#: Up to this many objects are packed one by one in Python: numpy's fixed cost per
-#: operation (some 30 of them) would otherwise be most of a small prefill batch's build.
-#: Held equal to the vectorised packer by ``test_small_and_numpy_packers_give_the_same_bytes``.
-SMALL_BATCH = 8
+#: Up to this many objects are packed one by one in Python (``_pack_small``): below it,
+#: numpy's fixed cost per operation (some 20 of them) outweighs Python's per request. On a
+#: 2-core CI host the two cross near 28 requests; at 20 the small packer is 17% faster, at
+#: 8 2.2 times. Held equal to the vectorised packer by ``test_every_path_packs_the_same_bytes``
+#: and ``test_small_and_numpy_packers_give_the_same_bytes``.
+SMALL_BATCH = 20
+_INT64_END = 2**63
 _RECORD = struct.Struct("<ffifqHHi")  # RECORD_DTYPE's layout, field for field
-# The vectorised packer packs the four flags below as bits 0-3 of one byte.
+# The vectorised packer puts the four flags below at bits 0-3 (``_FLAG_MAGIC``), of a
+# little-endian uint32's bytes.
 assert (FLAG_GREEDY, FLAG_TOP_P, FLAG_TOP_K, FLAG_MIN_P) == (1, 2, 4, 8)
+assert sys.byteorder == "little"
 
 
 def _fields(seeds: bool) -> tuple[str, ...]:
@@ -121,38 +138,6 @@ def _scalar(i: int, name: str, value: Any, integral: bool) -> Any:
 def _checked(name: str, values: list[Any], integral: bool) -> list[Any]:
     """``values`` converted one by one by ``_scalar``'s rules (the path for anything unusual)."""
     return [_scalar(i, name, v, integral) for i, v in enumerate(values)]
-
-
-def _floats(cols: list[list[Any]]) -> np.ndarray[Any, Any]:
-    """float64 [3, n]: the temperature, top_p and min_p lists."""
-    joined = cols[0] + cols[1] + cols[2]
-    if set(map(type, joined)) <= _FLOAT_KINDS:
-        out = np.empty(len(joined), np.float64)
-        try:  # struct converts plain numbers at half array.array's cost per value
-            struct.pack_into(f"{len(joined)}d", out.data, 0, *joined)
-        except (struct.error, OverflowError):  # an int beyond any double: the checked path names it
-            pass
-        else:
-            return out.reshape(3, -1)
-    names = ("temperature", "top_p", "min_p")
-    return np.array([_checked(name, col, False) for name, col in zip(names, cols, strict=True)], np.float64)
-
-
-def _ints(top_k: list[Any], seeds: list[Any]) -> np.ndarray[Any, Any]:
-    """int64 [2, n]: the top_k and seed lists (a None seed as the default)."""
-    kinds = set(map(type, seeds))
-    if kinds <= _SEED_KINDS:
-        if type(None) in kinds:
-            seeds = list(map(_SEED_OR_DEFAULT, seeds, seeds))
-        if set(map(type, top_k)) <= _INT_KINDS:
-            out = np.empty(2 * len(seeds), np.int64)
-            try:  # plain ints only (checked above, so no bools): struct packs them exactly or refuses
-                struct.pack_into(f"{len(out)}q", out.data, 0, *top_k, *seeds)
-            except (struct.error, OverflowError):  # beyond int64: the checked path names it
-                pass
-            else:
-                return out.reshape(2, -1)
-    return np.array([_checked("top_k", top_k, True), _checked("sampling_seed", seeds, True)], np.int64)
 
 
 def _bias(i: int, value: Any) -> Bias | None:
@@ -204,69 +189,121 @@ def _biases(raw: list[Any]) -> dict[int, Bias]:
     return out
 
 
+def _row_checked(i: int, raw: tuple[Any, ...]) -> tuple[tuple[Any, ...], Bias | None]:
+    """Request ``i``'s record values and bias from its raw fields, each value through ``_scalar``:
+    the small packer's general path, for any value its fast test does not take."""
+    temp = _scalar(i, "temperature", raw[0], False)
+    top_p = _scalar(i, "top_p", raw[1], False)
+    top_k = _scalar(i, "top_k", raw[2], True)
+    min_p = _scalar(i, "min_p", raw[3], False)
+    seed = _scalar(i, "sampling_seed", raw[4], True)
+    if not math.isfinite(temp) or not 0 <= temp <= F32_MAX:
+        raise SamplingParamError(f"'temperature' of request {i} must be finite, >= 0 and fit float32 (got {temp!r})")
+    if not 0 < top_p <= 1:
+        raise SamplingParamError(f"'top_p' of request {i} must be in (0, 1] (got {top_p!r})")
+    if not 0 <= min_p <= 1:
+        raise SamplingParamError(f"'min_p' of request {i} must be in [0, 1] (got {min_p!r})")
+    if top_k != -1 and not 1 <= top_k <= TOP_K_ALL:
+        raise SamplingParamError(f"'top_k' of request {i} must be >= 1, or -1 for all tokens (got {top_k!r})")
+    bias = None if raw[5] is None else _bias(i, raw[5])
+    if temp < GREEDY_EPS:
+        temp, top_k = 1.0, 1
+    elif top_k == -1:
+        top_k = TOP_K_ALL
+    flags = (
+        (FLAG_GREEDY if top_k <= 1 else 0)
+        | (FLAG_TOP_P if top_p != 1.0 else 0)
+        | (FLAG_TOP_K if top_k != TOP_K_ALL else 0)
+        | (FLAG_MIN_P if min_p > 0 else 0)
+    )
+    return (temp, top_p, top_k, min_p, seed, flags), bias
+
+
 def _pack_small(
     objs: Sequence[Any], out: np.ndarray[Any, Any] | None, seeds: bool = True
 ) -> tuple[np.ndarray[Any, Any], dict[int, Bias]]:
     """``pack_foreign`` for a few objects (or a batch mixing pinpool's own ``SamplingParams`` with
-    sglang-named ones), with the same rules and messages, in plain Python."""
-    records, biases = [], {}
+    sglang-named ones), with the same rules and messages, in plain Python.
+
+    A request whose values are plain floats and ints (a float field may hold an int), in range
+    and needing no normalisation (as sglang's own params arrive), is packed by the fast test
+    below; any other goes through ``_row_checked``, which applies every rule value by value.
+    """
+    buf = bytearray(32 * len(objs))  # written to ``out`` only once every request has passed
+    pack_into = _RECORD.pack_into
+    biases = {}
     for i, o in enumerate(objs):
         if type(o) is SamplingParams:  # a native request in a mixed batch: its own record
-            records.append(o.record)
+            buf[32 * i : 32 * i + 32] = o.record
             if o.logit_bias is not None:
                 biases[i] = o.logit_bias
             continue
         try:
-            raw = (o.temperature, o.top_p, o.top_k, o.min_p, o.sampling_seed if seeds else None, o.logit_bias)
+            temp, top_p, top_k, min_p = o.temperature, o.top_p, o.top_k, o.min_p
+            seed = o.sampling_seed if seeds else None
+            raw_bias = o.logit_bias
         except AttributeError:
             name = next(f for f in _fields(seeds) if not hasattr(o, f))
             raise SamplingParamError(
                 f"'sampling_params' of request {i} must carry sglang's field '{name}' (got {type(o).__name__})"
             ) from None
-        temp = _scalar(i, "temperature", raw[0], False)
-        top_p = _scalar(i, "top_p", raw[1], False)
-        top_k = _scalar(i, "top_k", raw[2], True)
-        min_p = _scalar(i, "min_p", raw[3], False)
-        seed = _scalar(i, "sampling_seed", raw[4], True)
-        if not math.isfinite(temp) or not 0 <= temp <= F32_MAX:
-            raise SamplingParamError(
-                f"'temperature' of request {i} must be finite, >= 0 and fit float32 (got {temp!r})"
-            )
-        if not 0 < top_p <= 1:
-            raise SamplingParamError(f"'top_p' of request {i} must be in (0, 1] (got {top_p!r})")
-        if not 0 <= min_p <= 1:
-            raise SamplingParamError(f"'min_p' of request {i} must be in [0, 1] (got {min_p!r})")
-        if top_k != -1 and not 1 <= top_k <= TOP_K_ALL:
-            raise SamplingParamError(f"'top_k' of request {i} must be >= 1, or -1 for all tokens (got {top_k!r})")
-        bias = None if raw[5] is None else _bias(i, raw[5])
-        if temp < GREEDY_EPS:
-            temp, top_k = 1.0, 1
-        elif top_k == -1:
-            top_k = TOP_K_ALL
-        flags = (
-            (FLAG_GREEDY if top_k <= 1 else 0)
-            | (FLAG_TOP_P if top_p != 1.0 else 0)
-            | (FLAG_TOP_K if top_k != TOP_K_ALL else 0)
-            | (FLAG_MIN_P if min_p > 0 else 0)
-            | (FLAG_BIAS if bias is not None else 0)
+        fast = (
+            (type(temp) is float or type(temp) is int)
+            and (type(top_p) is float or type(top_p) is int)
+            and type(top_k) is int
+            and (type(min_p) is float or type(min_p) is int)
+            and GREEDY_EPS <= temp <= F32_MAX
+            and 0 < top_p <= 1
+            and 0 <= min_p <= 1
+            and 1 <= top_k <= TOP_K_ALL
+            and (seed is None or type(seed) is int)
         )
-        n_bias, last = (0, -1) if bias is None else (len(bias[0]), min(bias[0][-1], 2**31 - 1))
-        records.append(_RECORD.pack(temp, top_p, top_k, min_p, seed, flags, n_bias, last))
+        if fast and raw_bias is not None and seed is not None and not -_INT64_END <= seed < _INT64_END:
+            fast = False  # the checked path names a seed beyond int64 before any bias error
+        if fast:
+            flags = (top_k == 1) | (top_p != 1.0) << 1 | (top_k != TOP_K_ALL) << 2 | (min_p != 0) << 3
+            values: tuple[Any, ...] = (temp, top_p, top_k, min_p, DEFAULT_SEED if seed is None else seed, flags)
+            bias = None if raw_bias is None else _bias(i, raw_bias)
+        else:
+            values, bias = _row_checked(i, (temp, top_p, top_k, min_p, seed, raw_bias))
+        try:
+            if bias is None:
+                pack_into(buf, 32 * i, *values, 0, -1)
+            else:
+                pack_into(buf, 32 * i, *values[:5], values[5] | FLAG_BIAS, len(bias[0]), min(bias[0][-1], 2**31 - 1))
+        except struct.error:  # a seed beyond int64 (without a bias, the fast test leaves its range to struct)
+            _row_checked(i, (temp, top_p, top_k, min_p, seed, raw_bias))
+            raise
         if bias is not None:
             biases[i] = bias
-    rec = np.frombuffer(b"".join(records), RECORD_DTYPE)
+    rec = np.frombuffer(buf, RECORD_DTYPE)
     if out is None:
-        return rec.copy(), biases
+        return rec, biases
     out[:] = rec
     return out, biases
 
 
-def _first_bad_float(floats: np.ndarray[Any, Any]) -> SamplingParamError:
-    bad = ~((floats >= _LO) & (floats <= _HI))
-    row = int(np.flatnonzero(bad.any(axis=1))[0])
+def _first_bad(grid: np.ndarray[Any, Any], top_k: list[Any]) -> SamplingParamError:
+    """The error for the first value of ``grid`` (rows temperature, top_p, top_k, min_p) out of its
+    range, the rows taken in the order temperature, top_p, min_p, top_k."""
+    bad = ~((grid >= _LO) & (grid <= _HI))
+    row = next(r for r in (0, 1, 3, 2) if bad[r].any())
     i = int(np.flatnonzero(bad[row])[0])
+    if row == 2:  # the int as given, not its double
+        return SamplingParamError(f"'top_k' of request {i} must be >= 1, or -1 for all tokens (got {top_k[i]})")
     name, rule = _FLOAT_RULES[row]
-    return SamplingParamError(f"'{name}' of request {i} {rule} (got {floats[row, i].item()!r})")  # sync-ok: numpy
+    return SamplingParamError(f"'{name}' of request {i} {rule} (got {grid[row, i].item()!r})")  # sync-ok: numpy
+
+
+def _grid_checked(
+    temp: list[Any], top_p: list[Any], top_k: list[Any], min_p: list[Any], seeds: list[Any] | None
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] | None, list[Any]]:
+    """The checked conversion: (grid, seeds, top_k as exact ints), each value through ``_scalar``,
+    fields in the order the errors name them (temperature, top_p, min_p, top_k, sampling_seed)."""
+    temp, top_p, min_p = (_checked(f, c, False) for f, c in (("temperature", temp), ("top_p", top_p), ("min_p", min_p)))
+    top_k = _checked("top_k", top_k, True)
+    wide = None if seeds is None else np.array(_checked("sampling_seed", seeds, True), np.int64)
+    return np.array([temp, top_p, top_k, min_p], np.float64), wide, top_k
 
 
 def _pack_vectorised(
@@ -280,42 +317,78 @@ def _pack_vectorised(
         if SamplingParams in set(map(type, objs)):  # pinpool's own params have no 'sampling_seed'
             return _pack_small(objs, out, seeds)
         raise _missing_field(objs, next(f for f in fields if not all(hasattr(o, f) for o in objs))) from None
-    if seeds:
-        temp_l, top_p_l, top_k_l, min_p_l, seed_l, bias_l = columns
-    else:
-        (temp_l, top_p_l, top_k_l, min_p_l, bias_l), seed_l = columns, [DEFAULT_SEED] * n
-    floats = _floats([temp_l, top_p_l, min_p_l])  # writable: each owns its memory
-    ints = _ints(top_k_l, seed_l)
-    if not ((floats >= _LO) & (floats <= _HI)).all():
-        raise _first_bad_float(floats)
-    top_k = ints[0]
-    top_k[top_k == -1] = TOP_K_ALL  # in place: a bad value below is still the one given
-    # Valid top_k is 1..TOP_K_ALL: top_k - 1 read as unsigned is below TOP_K_ALL exactly then.
-    if not ((top_k - 1).view(np.uint64) < TOP_K_ALL).all():
-        i = int(np.flatnonzero((top_k - 1).view(np.uint64) >= TOP_K_ALL)[0])
-        raise SamplingParamError(f"'top_k' of request {i} must be >= 1, or -1 for all tokens (got {int(top_k[i])})")
+    temp_l, top_p_l, top_k_l, min_p_l = columns[:4]
+    bias_l = columns[-1]
+    # One buffer: the float64 grid [4, n] (temperature, top_p, top_k, min_p: the record's first
+    # four words), then top_k and the seeds as int64. Plain floats (or ints) in the float fields
+    # and plain ints in the int fields, checked by one type pass each, are converted by one
+    # struct call (top_k as int64, then copied into the grid); anything else (None, a bool, a
+    # numpy scalar, a string) goes through the checked conversion, which names the bad value.
+    buf = np.empty((7, n), np.float64)
+    grid = buf[:5]  # temperature, top_p, top_k, min_p, and top_k again (for the flags' comparison)
+    ints = np.ndarray((2, n), np.int64, buf, 40 * n)
+    seed_l = [DEFAULT_SEED if s is None else s for s in columns[4]] if seeds else []  # as _scalar's default
+    float_kinds = [*map(type, temp_l), *map(type, top_p_l), *map(type, min_p_l)]
+    int_kinds = [*map(type, top_k_l), *map(type, seed_l)]
+    plain = (float_kinds.count(float) == 3 * n or set(float_kinds) <= _FLOAT_KINDS) and int_kinds.count(int) == len(
+        int_kinds
+    )
+    top_k_ints = top_k_l
+    if plain:
+        try:  # plain numbers only (no bools): struct converts them exactly, or refuses beyond int64 or any double
+            struct.pack_into(
+                f"{2 * n}d{8 * n}x{n}d{8 * n}x{len(int_kinds)}q",
+                buf.data,
+                0,
+                *temp_l,
+                *top_p_l,
+                *min_p_l,
+                *top_k_l,
+                *seed_l,
+            )
+        except (struct.error, OverflowError):
+            plain = False
+        else:
+            grid[2:5:2] = ints[0]
+    if not plain:
+        checked, seed_col, top_k_ints = _grid_checked(temp_l, top_p_l, top_k_l, min_p_l, columns[4] if seeds else None)
+        grid[:4] = checked
+        grid[4] = grid[2]
+        if seed_col is not None:
+            ints[1] = seed_col
+    if not seeds:
+        ints[1] = DEFAULT_SEED
+    # Every value in range and nothing to normalise (sglang's own params arrive normalised):
+    # temperature >= GREEDY_EPS (not greedy), top_k in [1, TOP_K_ALL] (no -1). One comparison
+    # against both bounds: every value at least its lower one, none past its upper one.
+    if np.greater_equal(grid[:4], _BOUNDS).tobytes() != b"\x01" * (4 * n) + b"\x00" * (4 * n):
+        top_k = grid[2]
+        np.copyto(top_k, _TOP_K_ALL_F, where=top_k == -1)  # -1: all tokens; a bad value stays as given
+        if not ((grid[:4] >= _LO) & (grid[:4] <= _HI)).all():
+            raise _first_bad(grid[:4], top_k_ints)
+        np.copyto(grid[0:3:2], _ONE, where=grid[0] < GREEDY_EPS)  # greedy: temperature 1.0, top_k 1
+        grid[4] = top_k
     biases = _biases(bias_l)
-    greedy = floats[0] < GREEDY_EPS  # sglang's SamplingParams.__post_init__, vectorised
-    floats[0][greedy] = 1.0
-    top_k[greedy] = 1
     rec = np.empty(n, RECORD_DTYPE) if out is None else out
     # The record's 32-bit words: temperature, top_p, top_k, min_p (f32, f32, i32, f32), the
-    # seed (two words), flags | n_bias << 16, bias_max_token. Written as columns of word views.
-    words = rec.view(np.int32).reshape(n, 8)
-    reals = words.view(np.float32)
-    reals[:, 0:2] = floats[0:2].T
-    reals[:, 3] = floats[2]
-    words[:, 2] = top_k
+    # seed (two words), flags | n_bias << 16, bias_max_token. Written as columns of word views
+    # (native words: a little-endian host, as RECORD_DTYPE's byte order and the flag bytes below).
+    words = np.ndarray((n, 8), np.int32, rec) if out is None else rec.view(np.int32).reshape(n, 8)
+    words.view(np.float32)[:, :4] = grid[:4].T
+    words[:, 2] = grid[2]
     words.view(np.int64)[:, 2] = ints[1]
+    # The flags, from one comparison of the doubles (as sglang compares them; top_k, top_p and
+    # min_p in range, checked above): each request's four bytes are top_p != 1, top_k != 1 (not
+    # greedy), min_p != 0, top_k != TOP_K_ALL. Read as one little-endian uint32, a multiply
+    # moves each byte's bit to its flag's place in the top byte (see ``_FLAG_MAGIC``); greedy
+    # is flipped back by an xor.
+    quad = np.empty((n, 4), np.bool_)
+    np.not_equal(grid[1:], _FLAG_NE, out=quad.T)
+    bytes4 = np.ndarray((n,), np.uint32, quad)
+    np.multiply(bytes4, _FLAG_MAGIC, out=bytes4)
+    np.bitwise_xor(bytes4, _GREEDY_BIT, out=bytes4)
+    np.right_shift(bytes4, 24, out=words.view(np.uint32)[:, 6])
     words[:, 7] = -1
-    # FLAG_GREEDY, FLAG_TOP_P, FLAG_TOP_K, FLAG_MIN_P are bits 0-3: four rows of bools packed,
-    # written two rows a comparison. With top_k in [1, TOP_K_ALL] and top_p, min_p in [0, 1]
-    # (checked above): greedy is top_k < 2 and the top_k flag top_k < TOP_K_ALL; the top_p flag
-    # is top_p != 1.0 and the min_p flag min_p != 0.0 (the doubles, as sglang compares them).
-    bits = np.empty((4, n), np.bool_)
-    np.less(top_k, _K_BELOW, out=bits[0::2])
-    np.not_equal(floats[1:], _P_NOT, out=bits[1::2])
-    words[:, 6] = np.packbits(bits, axis=0, bitorder="little")[0]
     if biases:
         at = list(biases)
         rec["flags"][at] |= FLAG_BIAS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -375,3 +376,53 @@ def test_an_empty_build_still_refuses_a_stage_it_could_not_be_built_into() -> No
         SamplingBatchInfo.from_schedule_batch(Batch([]), VOCAB, pool, owned=True, stage=st)
     with pytest.raises(PoolStateError, match="must be open and not yet flushed"):
         SamplingBatchInfo.from_schedule_batch(Batch([]), VOCAB, pool, stage=st)
+
+
+@pytest.mark.parametrize("owned", [False, True])
+def test_a_chain_of_filters_and_merges_matches_a_from_scratch_build(owned: bool) -> None:
+    """Catches an edit that leaves the batch's pieces (what merge_batch joins) stale: pieces of the
+    block before a filter, or a ring slot's cached ones from another batch; over sglang-named and
+    native requests, with and without bias, through empty batches."""
+    from tests.unit.test_sglang_params import pair
+
+    rng = random.Random(9)
+    pool = make_pool(num_slots=8)
+
+    def build(reqs: list[Req]) -> SamplingBatchInfo:
+        return SamplingBatchInfo.from_schedule_batch(Batch(reqs), VOCAB, pool, owned=owned, deterministic=True)
+
+    def fresh(n: int) -> tuple[list[Req], list[SamplingParams]]:
+        pairs: list[tuple[Any, SamplingParams]] = []
+        while len(pairs) < n:  # pair() draws bias tokens from a larger vocabulary
+            raw, native = pair(rng)
+            if native.logit_bias is None or native.logit_bias[0][-1] < VOCAB:
+                pairs.append((raw, native))
+        return [Req(raw if rng.random() < 0.5 else native) for raw, native in pairs], [p for _, p in pairs]
+
+    reqs, params = fresh(6)
+    info = build(reqs)
+    for _ in range(40):
+        if rng.random() < 0.5:
+            keep = [rng.randrange(len(params)) for _ in range(rng.randint(0, len(params)))] if params else []
+            info.filter_batch(keep, torch.tensor(keep, dtype=torch.int64) if rng.random() < 0.5 else None)
+            params = [params[i] for i in keep]
+        else:
+            reqs, new = fresh(rng.choice([0, 1, 3, 6]))
+            info.merge_batch(build(reqs))
+            params += new
+        if params:
+            assert_matches(info, params)
+        else:
+            assert len(info) == 0 and info.temperatures.shape == (0, 1)
+
+
+@pytest.mark.parametrize("keep", [[-1], [0, 3], [2**32], [2**32 + 1], [2**63], [1, -3], [2**64 - 1]])
+@pytest.mark.parametrize("as_array", [False, True])
+def test_filter_refuses_indices_out_of_range(keep: list[int], as_array: bool) -> None:
+    """Catches an index past the batch, or a negative one (numpy's take would count it from the end),
+    reaching index_select or picking a row silently, whatever path converts the list."""
+    info = _biased(make_pool(), [0.5, 0.6, 0.7], set())
+    indices = np.array(keep, dtype=np.uint64 if max(keep) >= 2**63 else np.int64) if as_array else keep
+    with pytest.raises(BatchMismatchError, match=r"'keep_indices' must be in \[0, 3\)"):
+        info.filter_batch(indices)
+    assert len(info) == 3

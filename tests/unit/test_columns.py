@@ -47,3 +47,33 @@ def test_concat_appends_each_column_from_blocks_inside_their_storage(a_bs: int, 
     out = columns.concat(a, a_bs, b, b_bs)
     for got, x, y in zip(columns.views(out, a_bs + b_bs), columns.views(a, a_bs), columns.views(b, b_bs), strict=True):
         assert torch.equal(_bits(got), _bits(torch.cat((x, y))))
+
+
+@pytest.mark.parametrize("offset", [0, 2, 1026])
+@pytest.mark.parametrize("bs", [1, 5, 999])
+def test_select_parts_equals_select_and_cuts_its_block(bs: int, offset: int) -> None:
+    """Catches the parts-based gather (filter_batch's) drifting from ``select``, or returning pieces
+    and views that are not those of its new block."""
+    block = _inside(_random_block(bs, bs), offset)
+    parts = columns.parts_and_views(block, bs)[0]
+    keep = torch.tensor([bs - 1, 0, *range(0, bs, 3), bs - 1], dtype=torch.int64)
+    out, new_parts, new_views = columns.select_parts(block, parts, bs, keep)
+    assert torch.equal(out, columns.select(block, bs, keep))
+    k = len(keep)
+    want_parts, want_views = columns.parts_and_views(out, k)
+    for got, want in zip((*new_parts, *new_views), (*want_parts, *want_views), strict=True):
+        assert (got.data_ptr(), got.shape, got.dtype, got.stride()) == (
+            want.data_ptr(),
+            want.shape,
+            want.dtype,
+            want.stride(),
+        )
+
+
+@pytest.mark.parametrize(("a_bs", "b_bs"), [(1, 1), (7, 4), (999, 0), (0, 3)])
+def test_concat_parts_equals_concat(a_bs: int, b_bs: int) -> None:
+    """Catches the join of the pieces (merge_batch's) ordering them unlike ``concat``."""
+    a = _inside(_random_block(a_bs, 1), 10)
+    b = _inside(_random_block(b_bs, 2), 4)
+    got = columns.concat_parts(columns.parts_and_views(a, a_bs)[0], columns.parts_and_views(b, b_bs)[0])
+    assert torch.equal(got, columns.concat(a, a_bs, b, b_bs))

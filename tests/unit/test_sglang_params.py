@@ -4,8 +4,10 @@ packed once, and refused with a typed error when bad."""
 from __future__ import annotations
 
 import gc
+import itertools
 import random
 import weakref
+from fractions import Fraction
 from typing import Any, ClassVar
 
 import numpy as np
@@ -14,7 +16,8 @@ import torch
 
 from pinpool import PinnedRingBuffer, PoolSettings
 from pinpool.bench.sglang_sampling import SglangBatch, SglangParams, SglangReq, load, rebuild
-from sampling import SamplingBatchInfo, SamplingParamError, SamplingParams, sglang_params
+from sampling import RECORD_DTYPE, TOP_K_ALL, SamplingBatchInfo, SamplingParamError, SamplingParams, sglang_params
+from sampling.params import F32_MAX
 from tests.fakes import Batch, Req
 
 VOCAB = 60
@@ -198,13 +201,25 @@ def test_none_means_sglangs_default() -> None:
         ({"top_p": 10**400}, "'top_p' of request 1 must be finite and fit float32 (got 1000"),
         ({"logit_bias": {"3": 10**400}}, "'logit_bias' values of request 1 must be finite and fit float32 (got 1000"),
         ({"logit_bias": {float("inf"): 1.0}}, "'logit_bias' keys of request 1 must be token ids (got inf)"),
+        ({"top_k": 2**70}, "'top_k' of request 1 must be in [-2**63, 2**63)"),
+        ({"sampling_seed": -(2**63) - 1, "logit_bias": {"x": 1.0}}, "'sampling_seed' of request 1 must be in"),
+        ({"top_k": -2}, "'top_k' of request 1 must be >= 1, or -1 for all tokens (got -2)"),
+        ({"top_k": 2**53 + 1}, "'top_k' of request 1 must be >= 1, or -1 for all tokens (got 9007199254740993)"),
+        ({"temperature": -1e-9}, "'temperature' of request 1 must be finite, >= 0 and fit float32 (got -1e-09)"),
+        ({"min_p": float("nan")}, "'min_p' of request 1 must be in [0, 1] (got nan)"),
+        ({"top_p": 0.0}, "'top_p' of request 1 must be in (0, 1] (got 0.0)"),
+        ({"temperature": Fraction(1, 2)}, "'temperature' of request 1 must be a real number (got Fraction(1, 2))"),
     ],
 )
 @pytest.mark.parametrize("bs", [2, sglang_params.SMALL_BATCH + 5])
-def test_bad_sglang_values_raise_and_nothing_is_staged_or_cached(kw: dict[str, Any], message: str, bs: int) -> None:
+@pytest.mark.parametrize("base", [{}, {"temperature": 0.7, "top_k": TOP_K_ALL}])
+def test_bad_sglang_values_raise_and_nothing_is_staged_or_cached(
+    kw: dict[str, Any], message: str, bs: int, base: dict[str, Any]
+) -> None:
     """Catches a bad value reaching the device, or the small-batch and numpy packers applying
-    different rules."""
-    objs = [Raw(), Raw(**kw)] + [Raw() for _ in range(bs - 2)]
+    different rules. ``base``: the other requests as written (top_k -1: the vectorised packer's
+    normalising branch) or as sglang's own params arrive (nothing to normalise: its in-range test)."""
+    objs = [Raw(**base), Raw(**{**base, **kw})] + [Raw(**base) for _ in range(bs - 2)]
     with pytest.raises(SamplingParamError) as info:
         sglang_params.pack_foreign(objs)
     assert message in str(info.value)
@@ -300,3 +315,103 @@ def test_the_top_p_flag_compares_the_double_as_sglang_does(bs: int) -> None:
         make_pool(),
     )
     assert info.need_top_p_sampling and native.need_top_p_sampling
+
+
+_TEMPERATURES = [0.0, 1e-7, 1e-6, float(np.nextafter(1e-6, 0.0)), 0.5, 1, 2, F32_MAX, 1e-300]
+_TOP_PS = [1.0, 1, 0.99999999, 5e-324, 0.5]
+_TOP_KS = [-1, 1, 2, 40, TOP_K_ALL - 1, TOP_K_ALL]
+_MIN_PS = [0.0, -0.0, 0, 1, 1.0, 5e-324, 0.3]
+_SEEDS = [None, 0, -1, 2**63 - 1, -(2**63), 12345]
+_BIASES: list[dict[Any, float] | None] = [None, {}, {"3": 1.5, "03": -2.0, "9": 0.25}, {"7": -0.5}]
+
+
+def _edge(rng: random.Random) -> Raw:
+    return Raw(
+        temperature=rng.choice(_TEMPERATURES),
+        top_p=rng.choice(_TOP_PS),
+        top_k=rng.choice(_TOP_KS),
+        min_p=rng.choice(_MIN_PS),
+        sampling_seed=rng.choice(_SEEDS),
+        logit_bias=rng.choice(_BIASES),
+    )
+
+
+def _as_numpy(r: Raw) -> Raw:
+    """The same values as numpy scalars (and top_k as an integral float): the checked paths."""
+    return Raw(
+        temperature=np.float64(r.temperature),
+        top_p=np.float64(r.top_p),
+        top_k=float(r.top_k),
+        min_p=np.float64(r.min_p),
+        sampling_seed=None if r.sampling_seed is None else np.int64(r.sampling_seed),
+        logit_bias=r.logit_bias,
+    )
+
+
+def _native(r: Raw) -> SamplingParams:
+    bias = None if r.logit_bias is None else {int(k): v for k, v in r.logit_bias.items()}
+    return SamplingParams(
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.sampling_seed, logit_bias=bias
+    )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_path_packs_the_same_bytes(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches the packers' fast paths drifting from their checked ones or from pinpool's own
+    records: the small packer's per-request fast test and its checked path, the vectorised
+    packer's plain conversion and its checked one, its in-range branch (nothing to normalise,
+    as sglang's own params arrive) and its normalising one, and the flag bits of every
+    combination, on edge values (greedy bounds, ints in float fields, -0.0, the smallest top_p,
+    int64 seed bounds, colliding bias keys)."""
+    rng = random.Random(seed)
+    raws = [_edge(rng) for _ in range(60)]
+    want = b"".join(_native(r).record for r in raws)
+    want_bias = {i: _native(r).logit_bias for i, r in enumerate(raws) if _native(r).logit_bias is not None}
+    for objs in (raws, [_as_numpy(r) for r in raws]):
+        one_by_one = [sglang_params.pack_foreign([o]) for o in objs]  # the small packer
+        assert b"".join(rec.tobytes() for rec, _ in one_by_one) == want
+        assert {i: b[0] for i, (_, b) in enumerate(one_by_one) if b} == want_bias
+        small, small_bias = sglang_params._pack_small(objs, None)
+        assert small.tobytes() == want and small_bias == want_bias
+        vec, vec_bias = sglang_params._pack_vectorised(objs, None)  # normalising branch: greedy rows
+        assert vec.tobytes() == want and vec_bias == want_bias
+    # The in-range branch: no greedy temperature, no top_k -1.
+    plain = [r for r in raws if r.temperature >= 1e-6 and r.top_k != -1]
+    assert len(plain) > 10
+    vec, _ = sglang_params._pack_vectorised(plain, None)
+    assert vec.tobytes() == b"".join(_native(r).record for r in plain)
+    # One row to normalise sends the whole batch to the normalising branch: a greedy temperature
+    # (of each kind), or a top_k of -1 alone.
+    for extra in (Raw(temperature=0.0, top_k=40), Raw(temperature=1e-7, top_k=TOP_K_ALL), Raw(top_k=-1)):
+        vec, _ = sglang_params._pack_vectorised([*plain, extra], None)
+        assert vec.tobytes() == b"".join(_native(r).record for r in [*plain, extra])
+    # Every reachable flag combination, in-range branch and small packer.
+    combos = [
+        Raw(temperature=0.7, top_p=p, top_k=k, min_p=m)
+        for p, k, m in itertools.product([1.0, 0.5], [1, 40, TOP_K_ALL], [0.0, 0.1])
+    ]
+    want = b"".join(_native(r).record for r in combos)
+    assert sglang_params._pack_vectorised(combos, None)[0].tobytes() == want
+    assert sglang_params._pack_small(combos, None)[0].tobytes() == want
+    monkeypatch.setattr(sglang_params, "SMALL_BATCH", 0)
+    assert sglang_params.pack_foreign(raws)[0].tobytes() == b"".join(_native(r).record for r in raws)
+
+
+@pytest.mark.parametrize("bs", [3, sglang_params.SMALL_BATCH + 3])
+@pytest.mark.parametrize("bad", [{"top_k": 0}, {"sampling_seed": 2**63}, {"logit_bias": {"x": 1.0}}, {"top_p": None}])
+def test_a_refused_batch_leaves_out_untouched(bs: int, bad: dict[str, Any]) -> None:
+    """Catches a packer writing the requests before a bad one into ``out`` (records half-written
+    into a caller's table), and ``out`` filled unlike the returned records."""
+    objs = [Raw(temperature=0.5, top_k=40) for _ in range(bs)]
+    out = np.zeros(bs, RECORD_DTYPE)
+    out.view(np.uint8)[:] = 0xAB
+    got, _ = sglang_params.pack_foreign(objs, out)
+    assert got is out and out.tobytes() == sglang_params.pack_foreign(objs)[0].tobytes()
+    out.view(np.uint8)[:] = 0xAB
+    objs[-1] = Raw(**{"temperature": 0.5, **bad})
+    if bad == {"top_p": None}:  # None is the default: accepted
+        sglang_params.pack_foreign(objs, out)
+        return
+    with pytest.raises(SamplingParamError, match=f"of request {bs - 1}"):
+        sglang_params.pack_foreign(objs, out)
+    assert out.tobytes() == b"\xab" * (32 * bs)
