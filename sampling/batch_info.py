@@ -229,7 +229,9 @@ class SamplingBatchInfo:
         # Before anything is staged: staging claims a slot, and that claim may be the one
         # that recycles this batch's own (a ring batch is live for num_slots - 1 claims).
         self.check_live()
-        if keep_indices_device is None:
+        if keep_indices_device is None and not keep.size:  # nothing kept: nothing to stage
+            keep_indices_device = torch.zeros(0, dtype=torch.int64, device=self.columns.device)
+        elif keep_indices_device is None:
             # A ring batch's columns stay in the ring's device mirror until the gather below
             # reads them; an owned stage never writes the mirror, so even a claim of the
             # batch's own slot leaves them intact. An owned batch takes a ring stage.

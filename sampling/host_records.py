@@ -64,18 +64,8 @@ def take_rows(
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """(``keep_indices`` as a flat integer array, the records of those rows), or
     ``BatchMismatchError`` for an index that is no int or not in [0, len(host_records)).
-    Host only: nothing is staged. A scheduler's list of ints comes back as uint32, other
-    indices as int64."""
-    if type(keep_indices) is list and list(map(type, keep_indices)).count(int) == len(keep_indices):  # no bools
-        try:  # uint32 refuses a negative index (and one past 2**32, past any batch) as it converts
-            keep = np.fromiter(keep_indices, np.uint32, len(keep_indices))
-        except OverflowError:  # the general path below names it
-            pass
-        else:
-            try:
-                return keep, host_records.take(keep)  # take refuses an index past the end
-            except IndexError:
-                raise _out_of_range(keep, len(host_records)) from None
+    Host only: nothing is staged. The indices come back as int64 (converted exactly: a
+    narrower dtype would wrap a bad index into a valid one on numpy 1.x)."""
     keep = keep_array(keep_indices)
     # One bound check: a negative index read as unsigned is past any batch size.
     if keep.size and int(np.maximum.reduce(keep.view(np.uint64))) >= len(host_records):

@@ -426,3 +426,23 @@ def test_filter_refuses_indices_out_of_range(keep: list[int], as_array: bool) ->
     with pytest.raises(BatchMismatchError, match=r"'keep_indices' must be in \[0, 3\)"):
         info.filter_batch(indices)
     assert len(info) == 3
+
+
+@pytest.mark.parametrize("keep", [[-1], [2**32 + 1], [0, -(2**32) + 2]])
+def test_a_refused_index_is_named_as_given(keep: list[int]) -> None:
+    """Catches an index converted through a narrower dtype first: numpy 1.x wraps -1 to 4294967295 and
+    2**32 + 1 to 1 (a valid row), so the refusal named the wrong value or the filter kept a wrong row."""
+    info = _biased(make_pool(), [0.5, 0.6, 0.7], set())
+    with pytest.raises(BatchMismatchError, match=rf"got \[{', '.join(map(str, keep))}\]"):
+        info.filter_batch(keep)
+    assert len(info) == 3
+
+
+def test_a_ring_batch_filtered_to_no_rows_stages_nothing_and_stays_usable() -> None:
+    """Catches filter_batch([]) on a ring batch asking the pool for an owned stage of 0 bytes (refused)."""
+    pool = make_pool()
+    info = SamplingBatchInfo.from_schedule_batch(Batch([Req(SamplingParams(temperature=0.5))]), VOCAB, pool)
+    claims = pool.claims
+    info.filter_batch([])
+    assert len(info) == 0 and info.temperatures.shape == (0, 1)
+    assert pool.claims == claims
