@@ -45,6 +45,18 @@ if [ -n "${PINPOOL_GATE:-}" ] && [ -d .old/pinpool ]; then
   gate_line=$(grep -h '^GATE' "$OUT/gate.txt")
 fi
 serve_rc=skipped
+# PINPOOL_SERVE_RUNS="GPU-bound:light:512:240 host-bound:medium:384:120": each serve table in a
+# process and box of its own (config:load:requests:seconds), so one slow load cannot lose the
+# tables of the others (the CLI prints its tables at the end); each prints as it finishes.
+for run in ${PINPOOL_SERVE_RUNS:-}; do
+  IFS=: read -r cfg load n secs <<<"$run"
+  PINPOOL_SERVE_CONFIGS=$cfg PINPOOL_SERVE_LOADS=$load PINPOOL_SERVE_REQUESTS=$n box "$secs" python3 -m pinpool.bench.cli \
+    bench --workloads serve --repeats "${PINPOOL_SERVE_ROUNDS:-5}" --json "$LOGS/serve_${cfg}_${load}.json" \
+    2>"$LOGS/serve_${cfg}_${load}.err" | tee -a "$OUT/serve.txt" | grep -v '^note' | tail -8
+  rc=${PIPESTATUS[0]}
+  echo "serve $cfg $load: rc=$rc"
+  serve_rc=$(( ${serve_rc/skipped/0} || rc ))
+done
 if [ -n "${PINPOOL_SERVE:-}" ]; then
   # The serve workload (request churn, every peer's staging) and its soak, boxed apart.
   box "${PINPOOL_SERVE_BOX:-300}" python3 -m pinpool.bench.cli bench --workloads serve --repeats 3 --json "$LOGS/serve.json" \
