@@ -43,10 +43,10 @@ from pinpool.log import get_logger
 from pinpool.platform import PlatformReport
 from pinpool.readback import Readback
 from pinpool.settings import PoolSettings
-from pinpool.slot import SlotMemory
+from pinpool.slot import allocate_slots
 from pinpool.stage import IN_PLACE, OWNED, RING, BlockSide, Placement, Stage
 from pinpool.stats import Counters, PoolStats
-from pinpool.transport import Fence, Stream, Transport, wait_for_streams
+from pinpool.transport import Fence, Stream, Transport, drain, wait_for_streams
 
 _log = get_logger("pinpool")
 #: Why a stage or read-back is refused while a CUDA graph capture would take it.
@@ -92,7 +92,7 @@ class PinnedRingBuffer:
         self._resolve_for_stage = self._transport.resolve_for_stage  # the stage's stream, and whether it is capturing
         self._num_slots = settings.num_slots
         self._debug = settings.debug
-        self._slots = self._allocate(settings)
+        self.host_slab, self.device_mirror, self._slots = allocate_slots(self._transport, settings)
         self._consumers: list[tuple[Stream, list[Fence]]] = []
         #: Streams teardown waits for besides the slots' last users and the consumers.
         self._teardown_streams: list[Stream] = []
@@ -120,26 +120,6 @@ class PinnedRingBuffer:
             path=self._transport.path,
             **self.platform.log_fields(),
         )
-
-    def _allocate(self, settings: PoolSettings) -> list[SlotMemory]:
-        """The pinned slab, the device mirror and each slot's views of both, with its fence: made once."""
-        slot_bytes, transport = settings.slot_bytes, self._transport
-        self.host_slab = transport.alloc_host(slot_bytes * settings.num_slots)
-        self.device_mirror = transport.alloc_device(slot_bytes * settings.num_slots)
-        host_bytes = self.host_slab.numpy().data  # the whole slab as a writable memoryview
-        # The mirror came from the caching allocator on the stream current now, which may still
-        # have work queued on memory the block held before: that stream is every slot's first
-        # "previous user", so a first stage on another stream waits for it.
-        first_user = transport.resolve_stream(None)
-        slots = []
-        for i in range(settings.num_slots):
-            span = slice(i * slot_bytes, (i + 1) * slot_bytes)
-            host, device = self.host_slab[span], self.device_mirror[span]
-            fence, handoff = transport.new_fence(), transport.new_fence()
-            slots.append(
-                SlotMemory(host, device, host_bytes, span.start, settings.alignment, fence, first_user, handoff)
-            )
-        return slots
 
     # -- what a user calls -------------------------------------------------------------
     @property
@@ -486,19 +466,8 @@ class PinnedRingBuffer:
 
     def _drain(self) -> None:
         """Teardown: wait for everything that may still read or write the pool's memory."""
-        transport = self._transport
-        streams: list[Stream] = []
-        for stream in [*(m.last_user for m in self._slots), *(c for c, _ in self._consumers), *self._teardown_streams]:
-            if not any(transport.same_stream(stream, seen) for seen in streams):
-                streams.append(stream)
-        fences = [mem.fence for mem in self._slots]
-        for stream in streams:
-            fence = transport.new_fence()
-            fence.record(stream)
-            fences.append(fence)
-        for fence in fences:
-            if not fence.query():
-                fence.synchronize()  # sync-ok: teardown, once per pool; nothing is freed under queued work
+        users = [*(m.last_user for m in self._slots), *(c for c, _ in self._consumers), *self._teardown_streams]
+        drain(self._transport, users, [m.fence for m in self._slots])
 
     def _check_usable(self) -> None:
         if self._closed:

@@ -19,7 +19,8 @@ from pinpool.cache import BoundedCache
 from pinpool.encode import NUMPY_DTYPE
 from pinpool.exceptions import CapacityError, DeviceMismatchError, PoolStateError
 from pinpool.layout import LANDING_ITEMSIZE, Layout, align_up, landing_column
-from pinpool.transport import Fence, Stream
+from pinpool.settings import PoolSettings
+from pinpool.transport import Fence, Stream, Transport
 
 
 class SlotMemory:
@@ -124,6 +125,24 @@ class SlotMemory:
         host_t = self.host_raw[offset : offset + nbytes].view(src.dtype).view(src.shape)
         views = (host_t, host_np, nbytes)
         return views if key is None else self.views.put(key, views)
+
+
+def allocate_slots(transport: Transport, settings: PoolSettings) -> tuple[torch.Tensor, torch.Tensor, list[SlotMemory]]:
+    """(the pinned slab, the device mirror, each slot's memory over both with its fences): made once."""
+    slot_bytes, num_slots = settings.slot_bytes, settings.num_slots
+    host_slab = transport.alloc_host(slot_bytes * num_slots)
+    device_mirror = transport.alloc_device(slot_bytes * num_slots)
+    host_bytes = host_slab.numpy().data  # the whole slab as a writable memoryview
+    # The mirror came from the caching allocator on the stream current now, which may still
+    # have work queued on memory the block held before: that stream is every slot's first
+    # "previous user", so a first stage on another stream waits for it.
+    first_user = transport.resolve_stream(None)
+    slots = []
+    for start in range(0, slot_bytes * num_slots, slot_bytes):
+        host, device = host_slab[start : start + slot_bytes], device_mirror[start : start + slot_bytes]
+        fence, handoff = transport.new_fence(), transport.new_fence()
+        slots.append(SlotMemory(host, device, host_bytes, start, settings.alignment, fence, first_user, handoff))
+    return host_slab, device_mirror, slots
 
 
 def typed_view(raw: torch.Tensor, dtype: torch.dtype, start: int, numel: int) -> torch.Tensor:

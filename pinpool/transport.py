@@ -71,6 +71,22 @@ def wait_for_streams(transport: Transport, waiter: Stream, others: Iterable[tupl
             transport.stream_wait(waiter, fence)
 
 
+def drain(transport: Transport, streams: Iterable[Stream], fences: Iterable[Fence]) -> None:
+    """Teardown's host wait: for ``fences`` and for the work queued so far on each of ``streams``."""
+    distinct: list[Stream] = []
+    for stream in streams:
+        if not any(transport.same_stream(stream, seen) for seen in distinct):
+            distinct.append(stream)
+    waits = list(fences)
+    for stream in distinct:
+        fence = transport.new_fence()
+        fence.record(stream)
+        waits.append(fence)
+    for fence in waits:
+        if not fence.query():
+            fence.synchronize()  # sync-ok: teardown, once per pool; nothing is freed under queued work
+
+
 class HostWaitGuard:
     """Refuses a pool fence's host wait inside ``pinpool.testing.no_sync`` (``depth``: its open blocks).
 
