@@ -34,7 +34,7 @@ for such rows, and a row's support never depends on its neighbours.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
@@ -45,8 +45,32 @@ from pinpool.landing import store_landed
 from sampling.bias_kernel import on_device
 from sampling.exceptions import BatchMismatchError
 
-if TYPE_CHECKING:
-    from sampling.sampler import SamplingTensors
+
+class SamplingTensors(Protocol):
+    """What the sampler reads: ``SamplingBatchInfo`` or any batch with the same tensors."""
+
+    temperatures: torch.Tensor  # float32 [bs, 1]
+    top_ps: torch.Tensor  # float32 [bs]
+    top_ks: torch.Tensor  # int32 [bs]
+    min_ps: torch.Tensor  # float32 [bs]
+    sampling_seed: torch.Tensor | None  # int64 [bs]
+    vocab_size: int
+    deterministic: bool
+    is_all_greedy: bool
+    need_top_p_sampling: bool
+    need_top_k_sampling: bool
+    need_min_p_sampling: bool
+
+    def __len__(self) -> int: ...
+
+    @property
+    def logit_bias(self) -> torch.Tensor | None: ...  # float32 [bs, vocab] (dense) or None
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def check_live(self) -> None: ...
+
 
 BLOCK = 1024
 NOISE_BITS = 63  # hash bits per noise value; see exponential_from_bits

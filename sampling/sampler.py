@@ -17,40 +17,12 @@ healthy rows pay a [bs]-sized select, not another pass over the vocabulary.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from pinpool.landing import land
 from sampling.batch_info import SamplingBatchInfo
-from sampling.draw import POISONED_TOKEN, draw_reference, filter_sorted_probs, launch_draw_sorted
+from sampling.draw import POISONED_TOKEN, SamplingTensors, draw_reference, filter_sorted_probs, launch_draw_sorted
 from sampling.exceptions import BatchMismatchError
-
-
-class SamplingTensors(Protocol):
-    """What the sampler reads: ``SamplingBatchInfo`` or any batch with the same tensors."""
-
-    temperatures: torch.Tensor  # float32 [bs, 1]
-    top_ps: torch.Tensor  # float32 [bs]
-    top_ks: torch.Tensor  # int32 [bs]
-    min_ps: torch.Tensor  # float32 [bs]
-    sampling_seed: torch.Tensor | None  # int64 [bs]
-    vocab_size: int
-    deterministic: bool
-    is_all_greedy: bool
-    need_top_p_sampling: bool
-    need_top_k_sampling: bool
-    need_min_p_sampling: bool
-
-    def __len__(self) -> int: ...
-
-    @property
-    def logit_bias(self) -> torch.Tensor | None: ...  # float32 [bs, vocab] (dense) or None
-
-    @property
-    def device(self) -> torch.device: ...
-
-    def check_live(self) -> None: ...
 
 
 class Sampler:

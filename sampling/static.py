@@ -60,7 +60,7 @@ from sampling.exceptions import BatchMismatchError
 from sampling.params import DEFAULT_SEED, FLAG_BIAS, RECORD_DTYPE, TOP_K_ALL
 
 if TYPE_CHECKING:
-    from sampling.sampler import SamplingTensors
+    from sampling.draw import SamplingTensors
 
 #: The sampling fields of a ``DeviceBlock`` layout: an engine adds its own fields to these.
 #: Padding rows hold a neutral seeded draw (module doc).

@@ -145,3 +145,13 @@ def test_the_library_imports_no_lab_module() -> None:
     library = [name for name in graph if not _is_lab(name)]
     wrong = {name: sorted(d for d in graph[name] if _is_lab(d)) for name in library}
     assert {name: deps for name, deps in wrong.items() if deps} == {}
+
+
+def test_no_import_circle_inside_the_packages_built_on_the_pool() -> None:
+    """Catches two sampling (or memcache) modules that import each other, even for types only
+    (the draw took the sampler's ``SamplingTensors`` while the sampler imported the draw)."""
+    for package in DOWNSTREAM:
+        modules = {_module_name(p): p for p in sorted((ROOT / package).rglob("*.py"))}
+        graph = {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+        assert f"{package}.__init__" not in graph and graph, package  # the reader found the package's modules
+        assert _cycles(graph) == [], package
