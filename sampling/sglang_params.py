@@ -309,7 +309,6 @@ def _grid_checked(
 def _pack_vectorised(
     objs: Sequence[Any], out: np.ndarray[Any, Any] | None, seeds: bool = True
 ) -> tuple[np.ndarray[Any, Any], dict[int, Bias]]:
-    n = len(objs)
     fields = _fields(seeds)
     try:
         columns = [list(map(_GET[f], objs)) for f in fields]
@@ -317,15 +316,28 @@ def _pack_vectorised(
         if SamplingParams in set(map(type, objs)):  # pinpool's own params have no 'sampling_seed'
             return _pack_small(objs, out, seeds)
         raise _missing_field(objs, next(f for f in fields if not all(hasattr(o, f) for o in objs))) from None
+    grid, ints, top_k_ints = _read_columns(columns, seeds)
+    _check_and_normalise(grid, top_k_ints)
+    biases = _biases(columns[-1])  # checked too, before anything is written
+    rec = np.empty(len(objs), RECORD_DTYPE) if out is None else out
+    _write_records(rec, grid, ints, biases, fresh=out is None)
+    return rec, biases
+
+
+def _read_columns(columns: list[list[Any]], seeds: bool) -> tuple[Any, Any, Any]:
+    """(the float64 grid [5, n], the int64 [2, n] top_k and seeds, top_k as given) from the field lists.
+
+    One buffer: the grid (temperature, top_p, top_k, min_p: the record's first four words, and
+    top_k again for the flags' comparison), then top_k and the seeds as int64. Plain floats (or
+    ints) in the float fields and plain ints in the int fields, checked by one type pass each,
+    are converted by one struct call (top_k as int64, then copied into the grid); anything else
+    (None, a bool, a numpy scalar, a string) goes through the checked conversion, which names
+    the bad value.
+    """
     temp_l, top_p_l, top_k_l, min_p_l = columns[:4]
-    bias_l = columns[-1]
-    # One buffer: the float64 grid [4, n] (temperature, top_p, top_k, min_p: the record's first
-    # four words), then top_k and the seeds as int64. Plain floats (or ints) in the float fields
-    # and plain ints in the int fields, checked by one type pass each, are converted by one
-    # struct call (top_k as int64, then copied into the grid); anything else (None, a bool, a
-    # numpy scalar, a string) goes through the checked conversion, which names the bad value.
+    n = len(temp_l)
     buf = np.empty((7, n), np.float64)
-    grid = buf[:5]  # temperature, top_p, top_k, min_p, and top_k again (for the flags' comparison)
+    grid = buf[:5]
     ints = np.ndarray((2, n), np.int64, buf, 40 * n)
     seed_l = [DEFAULT_SEED if s is None else s for s in columns[4]] if seeds else []  # as _scalar's default
     float_kinds = [*map(type, temp_l), *map(type, top_p_l), *map(type, min_p_l)]
@@ -358,9 +370,15 @@ def _pack_vectorised(
             ints[1] = seed_col
     if not seeds:
         ints[1] = DEFAULT_SEED
+    return grid, ints, top_k_ints
+
+
+def _check_and_normalise(grid: np.ndarray[Any, Any], top_k_ints: Any) -> None:
+    """Raise for the first bad value, then normalise as sglang does (-1: all tokens; greedy)."""
     # Every value in range and nothing to normalise (sglang's own params arrive normalised):
     # temperature >= GREEDY_EPS (not greedy), top_k in [1, TOP_K_ALL] (no -1). One comparison
     # against both bounds: every value at least its lower one, none past its upper one.
+    n = grid.shape[1]
     if np.greater_equal(grid[:4], _BOUNDS).tobytes() != b"\x01" * (4 * n) + b"\x00" * (4 * n):
         top_k = grid[2]
         np.copyto(top_k, _TOP_K_ALL_F, where=top_k == -1)  # -1: all tokens; a bad value stays as given
@@ -368,12 +386,21 @@ def _pack_vectorised(
             raise _first_bad(grid[:4], top_k_ints)
         np.copyto(grid[0:3:2], _ONE, where=grid[0] < GREEDY_EPS)  # greedy: temperature 1.0, top_k 1
         grid[4] = top_k
-    biases = _biases(bias_l)
-    rec = np.empty(n, RECORD_DTYPE) if out is None else out
+
+
+def _write_records(
+    rec: np.ndarray[Any, Any],
+    grid: np.ndarray[Any, Any],
+    ints: np.ndarray[Any, Any],
+    biases: dict[int, Bias],
+    fresh: bool,
+) -> None:
+    """The checked, normalised values into ``rec`` (RECORD_DTYPE [n]; ``fresh``: made here, contiguous)."""
+    n = len(rec)
     # The record's 32-bit words: temperature, top_p, top_k, min_p (f32, f32, i32, f32), the
     # seed (two words), flags | n_bias << 16, bias_max_token. Written as columns of word views
     # (native words: a little-endian host, as RECORD_DTYPE's byte order and the flag bytes below).
-    words = np.ndarray((n, 8), np.int32, rec) if out is None else rec.view(np.int32).reshape(n, 8)
+    words = np.ndarray((n, 8), np.int32, rec) if fresh else rec.view(np.int32).reshape(n, 8)
     words.view(np.float32)[:, :4] = grid[:4].T
     words[:, 2] = grid[2]
     words.view(np.int64)[:, 2] = ints[1]
@@ -394,7 +421,6 @@ def _pack_vectorised(
         rec["flags"][at] |= FLAG_BIAS
         rec["n_bias"][at] = [len(b[0]) for b in biases.values()]
         rec["bias_max_token"][at] = [min(b[0][-1], 2**31 - 1) for b in biases.values()]
-    return rec, biases
 
 
 def pack_foreign(
