@@ -155,3 +155,22 @@ def test_no_import_circle_inside_the_packages_built_on_the_pool() -> None:
         graph = {name: _imports(name, path, set(modules)) for name, path in modules.items()}
         assert f"{package}.__init__" not in graph and graph, package  # the reader found the package's modules
         assert _cycles(graph) == [], package
+
+
+#: The small core's bound on a function's length (issue 26), in lines from ``def`` to its end.
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_library_function_of_pinpool_passes_the_length_bound() -> None:
+    """Catches a function of pinpool's library (not the lab) growing past ``MAX_FUNCTION_LINES``."""
+    long = []
+    for name, path in _modules().items():
+        if _is_lab(name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {size}")
+    assert long == []
+    assert any(not _is_lab(n) for n in _modules()), "the scan read no library module"
