@@ -188,11 +188,9 @@ class PinnedRingBuffer:
         mem = self._slots[self._next_slot]
         host_t, host_np, nbytes = mem.readback_views(src, 0, self.device)  # refused before anything is claimed
         slot = self._claim(stream, RING, writes_mirror=False)
-        self._transport.copy(host_t, src, stream)
-        self._slots[slot].fence.record(stream)
-        self._count_readback(nbytes)
+        handle = self._copy_back(slot, self._generation, stream, host_t, host_np, src, nbytes)
         self._next_slot = (slot + 1) % self._num_slots
-        return Readback(self, slot, self._generation, self._slots[slot].fence, host_np)
+        return handle
 
     def register_consumer_stream(self, stream: Stream) -> None:
         """Protect staged views read on ``stream`` as well as on the stage's own (rule 2).
@@ -378,12 +376,22 @@ class PinnedRingBuffer:
         if not any(self._transport.same_stream(stream, s) for s in self._teardown_streams):
             self._teardown_streams.append(stream)
 
-    def _copy_back(self, st: Stage, host_t: torch.Tensor, host_np: Any, src: torch.Tensor, nbytes: int) -> Readback:
-        """A stage's read-back: one device-to-pinned copy on its stream, then the slot's fence."""
-        self._transport.copy(host_t, src, st.stream)
-        self._slots[st.slot].fence.record(st.stream)
+    def _copy_back(
+        self,
+        slot: int,
+        generation: int,
+        stream: Stream,
+        host_t: torch.Tensor,
+        host_np: Any,
+        src: torch.Tensor,
+        nbytes: int,
+    ) -> Readback:
+        """A read-back (the pool's or a stage's): one device-to-pinned copy on ``stream``, then the slot's fence."""
+        fence = self._slots[slot].fence
+        self._transport.copy(host_t, src, stream)
+        fence.record(stream)
         self._count_readback(nbytes)
-        return Readback(self, st.slot, st.generation, self._slots[st.slot].fence, host_np)
+        return Readback(self, slot, generation, fence, host_np)
 
     def _spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor:
         """Stage ``src`` through its own pinned buffer (``overflow='spill'``): correct, counted, logged, not free."""

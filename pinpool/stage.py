@@ -69,7 +69,16 @@ class RingSide(SlotReads, Protocol):
     def _issue_copy(self, st: Stage) -> None: ...
     def _finish(self, st: Stage, ok: bool) -> None: ...
     def _spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor: ...
-    def _copy_back(self, st: Stage, host_t: torch.Tensor, host_np: Any, src: torch.Tensor, nbytes: int) -> Readback: ...
+    def _copy_back(
+        self,
+        slot: int,
+        generation: int,
+        stream: Stream,
+        host_t: torch.Tensor,
+        host_np: Any,
+        src: torch.Tensor,
+        nbytes: int,
+    ) -> Readback: ...
     def _check_can_land(self) -> None: ...
 
     can_land: bool
@@ -364,7 +373,7 @@ class Stage:
             self.flush()
         if self._block is not None:
             self._block.wait_for_readers(self.stream)  # ``src`` is written by the replay, maybe on a reader
-        handle = self._ring._copy_back(self, host_t, host_np, src, nbytes)
+        handle = self._ring._copy_back(self.slot, self.generation, self.stream, host_t, host_np, src, nbytes)
         self._cursor = offset + nbytes
         self.copy_issued = True
         return handle

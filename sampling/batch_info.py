@@ -235,10 +235,9 @@ class SamplingBatchInfo:
             # A ring batch's columns stay in the ring's device mirror until the gather below
             # reads them; an owned stage never writes the mirror, so even a claim of the
             # batch's own slot leaves them intact. An owned batch takes a ring stage.
-            wide = keep.astype(np.int64, copy=False)
-            owned_bytes = wide.nbytes if self.lease is not None else None
+            owned_bytes = keep.nbytes if self.lease is not None else None  # keep is int64 (take_rows)
             with self.pool.stage(owned=owned_bytes) as st:
-                keep_indices_device = st.put(wide, torch.int64, name="keep_indices")
+                keep_indices_device = st.put(keep, torch.int64, name="keep_indices")
         elif (
             keep_indices_device.dtype != torch.int64
             or keep_indices_device.shape != (keep.size,)
