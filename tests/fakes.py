@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from pinpool import DeviceBlock
 from sampling import SamplingParams
 
 
@@ -64,3 +65,22 @@ class UnfencedTransport:
 
     def stream_wait(self, waiter: Any, fence: Any) -> None:
         return None
+
+
+class NoFenceAfterReaders(DeviceBlock):
+    """Planted bug for control tests: a landed stage's close does not wait for the block's readers (the
+    replay that stores through the addresses) before the slot's fence; the wait before the copy, for the
+    previous replays, is kept."""
+
+    _copying = False
+
+    def before_copy(self, stream: Any) -> None:
+        self._copying = True
+        try:
+            super().before_copy(stream)
+        finally:
+            self._copying = False
+
+    def wait_for_readers(self, stream: Any) -> None:
+        if self._copying:
+            super().wait_for_readers(stream)

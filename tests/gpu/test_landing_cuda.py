@@ -21,31 +21,13 @@ from pinpool import DeviceBlock, Field, Layout, PinnedRingBuffer, PoolSettings
 from pinpool.cuda import use_stream
 from pinpool.landing import land
 from pinpool.readback import Landing
-from pinpool.transport import Stream
+from tests.fakes import NoFenceAfterReaders
 
 ROWS = 16
 LAYOUT = Layout([Field("x", torch.int64, pad=-1), Field.landing("dst")], ROWS)
 NUM_SLOTS = 3
 LAG = 1_000_000  # up to ~0.5 ms of GPU sleep before a replay
 TWO_GPUS = torch.cuda.device_count() >= 2
-
-
-class NoFenceAfterReaders(DeviceBlock):
-    """Planted: a landed stage's close does not wait for the replay stream before the slot's fence
-    (the wait before the copy, for the previous replays, is kept)."""
-
-    _copying = False
-
-    def before_copy(self, stream: Stream) -> None:
-        self._copying = True
-        try:
-            super().before_copy(stream)
-        finally:
-            self._copying = False
-
-    def wait_for_readers(self, stream: Stream) -> None:
-        if self._copying:
-            super().wait_for_readers(stream)
 
 
 def make_block(device: torch.device, block_type: type[DeviceBlock] = DeviceBlock) -> DeviceBlock:

@@ -47,6 +47,7 @@ from pinpool.encode import NUMPY_DTYPE
 from pinpool.landing import land
 from pinpool.layout import FIELD_ALIGN, LANDING_TAG
 from pinpool.testing import LaggingGpu, SimStream
+from tests.fakes import NoFenceAfterReaders
 
 FIELDS = (
     Field("step", torch.int64, pad=-1),
@@ -906,24 +907,6 @@ def test_a_landing_field_holds_this_steps_live_row_addresses_and_zero_on_padding
     assert gpu.mismatches == [] and gpu.races == [] and gpu.errors == []
 
 
-class LandingFenceIgnoresReaders(DeviceBlock):
-    """Planted bug: a landing stage's fence is recorded at close without following the registered
-    readers (the replay that stores through the addresses); the copy still waits for them."""
-
-    _copying = False
-
-    def before_copy(self, stream: Any) -> None:
-        self._copying = True
-        try:
-            super().before_copy(stream)
-        finally:
-            self._copying = False
-
-    def wait_for_readers(self, stream: Any) -> None:
-        if self._copying:
-            super().wait_for_readers(stream)
-
-
 def _landing_plan(seed: int, block_type: type[DeviceBlock]) -> list[tuple[int, list[Any]]]:
     """Steps whose replay, on a lagging registered reader, stores the tokens: (step, what the handle read) for
     each step whose handle read other values than its replay stored."""
@@ -964,7 +947,7 @@ def test_a_landing_stages_fence_follows_the_blocks_registered_readers() -> None:
 def test_control_a_landing_fence_that_ignores_the_readers_reads_before_the_replay() -> None:
     """Catches a landing test too weak to see the fence's wait for the readers: with it planted away, the
     handles must read values the replay had not stored yet."""
-    caught = sum(bool(_landing_plan(seed, LandingFenceIgnoresReaders)) for seed in range(30))
+    caught = sum(bool(_landing_plan(seed, NoFenceAfterReaders)) for seed in range(30))
     print(f"landing fence without the readers: caught in {caught} of 30 seeds")
     assert caught >= 20, f"caught in only {caught} of 30 seeds"
 

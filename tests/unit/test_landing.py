@@ -44,7 +44,7 @@ from pinpool.layout import LANDING_TAG
 from pinpool.readback import Landing
 from pinpool.stage import State
 from pinpool.testing import LaggingGpu, SimStream
-from pinpool.transport import Stream
+from tests.fakes import NoFenceAfterReaders
 
 MAX_ROWS = 16
 LAYOUT = Layout([Field("x", torch.int64, pad=-1), Field.landing("dst")], MAX_ROWS)
@@ -211,24 +211,6 @@ def test_a_read_back_in_a_landed_stage_stops_before_the_landing() -> None:
 
 
 # -- the stream rules, in the simulator -----------------------------------------------------
-class NoFenceAfterReaders(DeviceBlock):
-    """Planted: a landed stage's close does not wait for the replay streams before the slot's fence
-    (the wait before the copy, for the previous replays, is kept)."""
-
-    _copying = False
-
-    def before_copy(self, stream: Stream) -> None:
-        self._copying = True
-        try:
-            super().before_copy(stream)
-        finally:
-            self._copying = False
-
-    def wait_for_readers(self, stream: Stream) -> None:
-        if self._copying:
-            super().wait_for_readers(stream)
-
-
 def run_landing_plan(
     seed: int, block_type: type[DeviceBlock] = DeviceBlock, unregistered_writer: bool = False, steps: int = 30
 ) -> list[str]:
