@@ -186,9 +186,9 @@ class PinnedRingBuffer:
         if capturing:
             raise PoolStateError(CAPTURE_REFUSAL)
         mem = self._slots[self._next_slot]
-        host_t, host_np, nbytes = mem.readback_views(src, 0, self.device)  # refused before anything is claimed
+        views = mem.readback_views(src, 0, self.device)  # refused before anything is claimed
         slot = self._claim(stream, RING, writes_mirror=False)
-        handle = self._copy_back(slot, self._generation, stream, host_t, host_np, src, nbytes)
+        handle = self._copy_back(slot, self._generation, stream, src, views)
         self._next_slot = (slot + 1) % self._num_slots
         return handle
 
@@ -377,16 +377,10 @@ class PinnedRingBuffer:
             self._teardown_streams.append(stream)
 
     def _copy_back(
-        self,
-        slot: int,
-        generation: int,
-        stream: Stream,
-        host_t: torch.Tensor,
-        host_np: Any,
-        src: torch.Tensor,
-        nbytes: int,
+        self, slot: int, generation: int, stream: Stream, src: torch.Tensor, views: tuple[torch.Tensor, Any, int]
     ) -> Readback:
         """A read-back (the pool's or a stage's): one device-to-pinned copy on ``stream``, then the slot's fence."""
+        host_t, host_np, nbytes = views
         fence = self._slots[slot].fence
         self._transport.copy(host_t, src, stream)
         fence.record(stream)

@@ -70,14 +70,7 @@ class RingSide(SlotReads, Protocol):
     def _finish(self, st: Stage, ok: bool) -> None: ...
     def _spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor: ...
     def _copy_back(
-        self,
-        slot: int,
-        generation: int,
-        stream: Stream,
-        host_t: torch.Tensor,
-        host_np: Any,
-        src: torch.Tensor,
-        nbytes: int,
+        self, slot: int, generation: int, stream: Stream, src: torch.Tensor, views: tuple[torch.Tensor, Any, int]
     ) -> Readback: ...
     def _check_can_land(self) -> None: ...
 
@@ -363,7 +356,8 @@ class Stage:
         if not self.is_open:
             self._check_open()
         offset = align_up(self._cursor, self._mem.alignment)
-        host_t, host_np, nbytes = self._mem.readback_views(src, offset, self._ring.device)  # typed errors first
+        views = self._mem.readback_views(src, offset, self._ring.device)  # typed errors first
+        nbytes = views[2]
         if offset + nbytes > self.tail:
             raise CapacityError(
                 f"'src' needs {nbytes} bytes but the slot has {max(self.tail - offset, 0)} left before its landings; "
@@ -373,7 +367,7 @@ class Stage:
             self.flush()
         if self._block is not None:
             self._block.wait_for_readers(self.stream)  # ``src`` is written by the replay, maybe on a reader
-        handle = self._ring._copy_back(self.slot, self.generation, self.stream, host_t, host_np, src, nbytes)
+        handle = self._ring._copy_back(self.slot, self.generation, self.stream, src, views)
         self._cursor = offset + nbytes
         self.copy_issued = True
         return handle
