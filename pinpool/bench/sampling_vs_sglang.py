@@ -254,7 +254,8 @@ def phase_rows(
 def packer_rows(ctx: BenchContext, make: Callable[..., Any]) -> list[tuple[Any, ...]]:
     """The small-batch packer against the vectorised one, same objects, same run (the fast path's A/B)."""
     rows = []
-    for bs in (1, 4, sglang_params.SMALL_BATCH):
+    # Sizes past SMALL_BATCH too: where the two cross on this machine says where the threshold belongs.
+    for bs in (1, 4, sglang_params.SMALL_BATCH, 32, 64, 128):
         objs = make_params(make, bs, bias=False, seed=bs)
         small, vec = timed(
             ctx,
