@@ -1,17 +1,10 @@
 """``PinnedRingBuffer``: persistent pinned host slots, their device mirror, and the rules of reuse.
 
-Each slot's state (its fence, its last user's stream, its generation, what it keeps alive)
-lives in its ``SlotMemory`` (slot.py); the ring applies the rules to it. A value's path:
-``Stage.put`` writes the slot's pinned bytes (stage.py), ``_issue_copy`` lands the used
-bytes with one copy on the stage's stream, ``_finish`` records the slot's fence there, and
-the next ``_claim`` of the slot waits on that fence before the host writes the bytes again.
-
-The rules, each kept in one place:
+A slot's state lives in its ``SlotMemory`` (slot.py); the ring applies the rules to it, each in one place:
 1. the host rewrites a slot only after its fence has passed (``_claim``);
-2. the device copy of a slot is rewritten only after its readers, on any stream: the
-   previous user's stream and the registered consumers are waited for on the device
-   (``_claim``, through ``transport.wait_for_streams``);
-3. one copy per stage (``_issue_copy``);
+2. a slot's device copy is rewritten only after its readers on any stream (the previous user's, the
+   registered consumers'), waited for on the device (``_claim``);
+3. one copy per stage (``_issue_copy``), the slot's fence after it (``_finish``);
 4. owned, block and in-place placements land where the stage says (stage.py);
 5. ``retain`` keeps objects alive until the slot's next fence has passed;
 6. read-backs take a slot like a stage (``readback``, ``Stage.readback``);
@@ -34,7 +27,6 @@ from pinpool.exceptions import (
     DeviceMismatchError,
     PoolStateError,
     SettingsTypeError,
-    StagingValueError,
     ThreadOwnershipError,
     UnguardedReaderError,
 )
@@ -69,16 +61,11 @@ class PinnedRingBuffer:
             temps = st.put([0.7, 1.0], torch.float32)
         # one copy landed both values; ``temps`` stays valid for 3 more claims
 
-    One pool per worker process and device; not thread-safe (``debug=True`` checks that
-    only the creating thread uses it).
+    One pool per worker process and device; not thread-safe (``debug=True`` checks the thread).
     """
 
     def __init__(self, settings: PoolSettings | None = None, *, transport: Transport | None = None) -> None:
-        """Allocate the pinned slab, the device mirror and one fence per slot: all the memory it will use.
-
-        ``transport``: how copies and fences are made (default: CUDA through torch, or plain
-        host memory on CPU); tests pass ``pinpool.testing.LaggingGpu``.
-        """
+        """Allocate all the memory the pool will use. ``transport``: tests pass ``pinpool.testing.LaggingGpu``."""
         if settings is not None and not isinstance(settings, PoolSettings):
             raise SettingsTypeError(
                 f"'settings' must be a PoolSettings or None (got {settings!r}); e.g. PoolSettings(device='cpu')"
@@ -137,10 +124,7 @@ class PinnedRingBuffer:
 
     @property
     def claims(self) -> int:
-        """Slots claimed so far: every stage and every read-back, a library call's own included.
-
-        The unit of a ring view's lifetime: ``num_slots - 1`` further claims (``VIEW_LIFETIME``).
-        """
+        """Slots claimed so far (stages and read-backs): the unit of ``VIEW_LIFETIME``."""
         return self._generation
 
     def stage(
@@ -155,13 +139,10 @@ class PinnedRingBuffer:
     ) -> Stage:
         """Open a stage in the next slot; use as ``with pool.stage() as st:``.
 
-        ``layout``, ``rows``, ``live``: claim a declared layout for ``rows`` rows, ``live`` of
-        them real (each defaults to the other). ``stream``: where the copy, fence and
-        read-backs go, fixed now (the one passed, or the pool device's current stream).
-        Placement: the ring's mirror by default; ``owned``: a byte count the pool allocates,
-        or a contiguous 1-D uint8 device tensor of the caller's, for data that outlives the
-        ring; ``zero_copy=True``: kernels read the pinned slot in place, no copy (needs
-        ``PoolSettings(zero_copy=True)``; launch every reader before close).
+        ``layout`` for ``rows`` rows, ``live`` of them real (each defaults to the other). ``stream``:
+        fixed now (default: the pool device's current one). Placement: the ring's mirror; ``owned``
+        (a byte count, or a contiguous 1-D uint8 device tensor) for data that outlives the ring;
+        ``zero_copy=True``: kernels read the pinned slot in place (launch every reader before close).
         """
         if zero_copy is not False and zero_copy is not True:
             raise PoolStateError(f"'zero_copy' must be a bool (got {zero_copy!r})")
@@ -176,11 +157,8 @@ class PinnedRingBuffer:
         return self._open_stage(stream, OWNED, owned, layout, rows, live)
 
     def readback(self, src: torch.Tensor, *, stream: Stream | None = None) -> Readback:
-        """Copy device tensor ``src`` into the next slot's pinned bytes; read the handle later.
-
-        The stream is fixed now; the slot's fence is waited on before the copy and recorded
-        after it. Values stay readable for ``VIEW_LIFETIME``.
-        """
+        """Copy device tensor ``src`` into the next slot's pinned bytes on a stream fixed now; read the
+        handle within ``VIEW_LIFETIME``."""
         self._check_usable()
         stream, capturing = self._resolve_for_stage(stream)
         if capturing:
@@ -193,11 +171,7 @@ class PinnedRingBuffer:
         return handle
 
     def register_consumer_stream(self, stream: Stream) -> None:
-        """Protect staged views read on ``stream`` as well as on the stage's own (rule 2).
-
-        Before a slot's device copy is overwritten, the stage's stream waits on the device
-        for the work queued on ``stream`` so far: never a host wait.
-        """
+        """Protect staged views read on ``stream`` as well as on the stage's own (rule 2, a device wait)."""
         self._check_usable()
         stream = self._transport.resolve_stream(stream)
         if any(self._transport.same_stream(s, stream) for s, _ in self._consumers):
@@ -219,10 +193,7 @@ class PinnedRingBuffer:
         return PoolStats.of(self._counters, self.platform)
 
     def close(self) -> None:
-        """Wait for every in-flight copy, then drop the memory. A second call is a no-op.
-
-        Inside an open stage it raises and frees nothing: that stage's copy may be queued.
-        """
+        """Wait for every in-flight copy, then drop the memory; refused inside an open stage (its copy may queue)."""
         if self._closed:
             return
         if self._open is not None:
@@ -231,7 +202,6 @@ class PinnedRingBuffer:
         self._closed = True
         for mem in self._slots:
             mem.retained.clear()
-        for mem in self._slots:
             mem.views.clear()  # the views kept per slot hold their memory (a block's, say) alive
         _log.info("pool.closed", device=str(self.device), **attrs.asdict(self._counters))
 
@@ -261,11 +231,10 @@ class PinnedRingBuffer:
 
     def wait_for_readback(self, fence: Fence) -> None:
         """The host wait of a read whose copy or writer has not finished: counted and timed."""
-        start = time.perf_counter()
-        fence.synchronize()  # sync-ok: the caller asked for values whose copy is still queued
+        waited = self._host_wait(fence)
         counters = self._counters
         counters.readback_waits += 1
-        counters.readback_wait_seconds += time.perf_counter() - start
+        counters.readback_wait_seconds += waited
 
     def _open_stage(
         self,
@@ -292,9 +261,7 @@ class PinnedRingBuffer:
             live = rows if live is None else live
             if rows is None:
                 raise PoolStateError("a stage with a layout needs 'rows' (or 'live')")
-            layout.check_rows(rows)  # typed errors before the claim
-            if not int_in_range(live, 0, rows):  # and for a bad ``live``
-                raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
+            layout.check_rows(rows, live)  # typed errors before the claim
             if layout.landings and not self.can_land:
                 self._check_can_land()
         elif rows is not None or live is not None:
@@ -324,14 +291,8 @@ class PinnedRingBuffer:
         nbytes = st.used_bytes
         if nbytes == 0:
             return
-        mem = st._mem
-        # Keyed by the destination's id and held with it, so the id cannot be another tensor's.
-        pair = mem.views.get(("copy", id(st.dst), nbytes)) if st.placement is not OWNED else None
-        if pair is None:
-            pair = (st.dst, st.dst[:nbytes], mem.host_raw[:nbytes])
-            if st.placement is not OWNED:  # an owned buffer may be another one next time
-                mem.views.put(("copy", id(st.dst), nbytes), pair)
-        self._transport.copy(pair[1], pair[2], st.stream)
+        dst, src = st._mem.copy_views(st.dst, nbytes, keep=st.placement is not OWNED)
+        self._transport.copy(dst, src, st.stream)
         st.copy_issued = True
         counters = self._counters
         counters.copies += 1
@@ -384,7 +345,9 @@ class PinnedRingBuffer:
         fence = self._slots[slot].fence
         self._transport.copy(host_t, src, stream)
         fence.record(stream)
-        self._count_readback(nbytes)
+        counters = self._counters
+        counters.readbacks += 1
+        counters.bytes_read_back += nbytes
         return Readback(self, slot, generation, fence, host_np)
 
     def _spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor:
@@ -448,11 +411,6 @@ class PinnedRingBuffer:
         # For the stage's stream, which writes it (None: the current one, without asking again).
         return self._transport.alloc_device(align_up(owned, self.settings.alignment), stream)  # type: ignore[arg-type]
 
-    def _count_readback(self, nbytes: int) -> None:
-        counters = self._counters
-        counters.readbacks += 1
-        counters.bytes_read_back += nbytes
-
     def _refuse_unregistered_reader(self, st: Stage) -> None:
         """(debug) A stage read in place or landed into, closed under a stream its fence does not cover."""
         transport = self._transport
@@ -484,10 +442,14 @@ class PinnedRingBuffer:
                 f"(owner {self._owner_thread}, caller {threading.get_ident()}); create one pool per worker"
             )
 
-    def _stall(self, slot: int, fence: Fence) -> None:
+    def _host_wait(self, fence: Fence) -> float:
+        """The pool's host wait on a fence (rule 1's stall, or a read of a copy still queued): its seconds."""
         start = time.perf_counter()
-        fence.synchronize()  # sync-ok: rule 1, bounded; only when the GPU is num_slots claims behind
-        waited = time.perf_counter() - start
+        fence.synchronize()  # sync-ok: rule 1, bounded (the GPU is num_slots claims behind), or a read asked for
+        return time.perf_counter() - start
+
+    def _stall(self, slot: int, fence: Fence) -> None:
+        waited = self._host_wait(fence)
         counters = self._counters
         counters.stalls += 1
         counters.stall_seconds += waited

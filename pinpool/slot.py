@@ -9,7 +9,7 @@ view out of uint8 memory.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,9 @@ from pinpool.exceptions import CapacityError, DeviceMismatchError, PoolStateErro
 from pinpool.layout import LANDING_ITEMSIZE, Layout, align_up, landing_column
 from pinpool.settings import PoolSettings
 from pinpool.transport import Fence, Stream, Transport
+
+#: A ``DeviceBlock``'s ``views``: the fixed views a layout placed in the block lands in.
+BlockViews = Callable[[int], Mapping[str, torch.Tensor]] | None
 
 
 class SlotMemory:
@@ -97,6 +100,33 @@ class SlotMemory:
             hit = self.views.put(key, ((landing_column(numel, dtype) + (self.address + start)).tobytes(), values))
         column_and_values: tuple[bytes, np.ndarray[Any, Any]] = hit
         return column_and_values
+
+    def copy_views(self, dst: torch.Tensor, nbytes: int, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device, pinned) views of a stage's one copy of ``nbytes``; kept unless ``dst`` may differ next time."""
+        key = ("copy", id(dst), nbytes)  # held with ``dst``, so the id cannot be another tensor's
+        pair = self.views.get(key) if keep else None
+        if pair is None:
+            pair = (dst, dst[:nbytes], self.host_raw[:nbytes])
+            if keep:
+                self.views.put(key, pair)
+        return pair[1], pair[2]
+
+    def placed(
+        self, layout: Layout, rows: int, dst: torch.Tensor, block_views: BlockViews, capacity: int, keep: bool
+    ) -> Placed:
+        """``layout`` for ``rows`` rows placed at ``dst`` (or a block's ``views``), kept if ``keep``."""
+        key = ("layout", id(layout), id(dst), rows)  # ids: the entry holds both, so neither id is reused
+        placed: Placed | None = self.views.get(key) if keep else None
+        if placed is None:
+            placed = Placed(layout, rows, self, dst, block_views(rows) if block_views is not None else None)
+            if placed.nbytes > capacity:
+                raise CapacityError(
+                    f"a layout of {rows} rows needs {placed.nbytes} bytes but the stage has {capacity}; "
+                    "raise PoolSettings.slot_bytes or lower max_rows"
+                )
+            if keep:
+                self.views.put(key, placed)
+        return placed
 
     def readback_views(self, src: torch.Tensor, offset: int, device: torch.device) -> tuple[torch.Tensor, Any, int]:
         """(pinned torch view, numpy view, bytes) a read-back of ``src`` at ``offset`` copies into; typed errors.

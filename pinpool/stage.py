@@ -1,17 +1,10 @@
 """``Stage``: one claim of one ring slot, from open to close, whatever its placement.
 
-Values are written into the slot's pinned host memory as they arrive, and the device
-views they will land in are handed back at once. Where they land is the stage's
-placement, fixed at open:
-
-- ``RING``: the slot's device mirror (``pool.stage()``): views rotate with the slot;
-- ``OWNED``: device memory the caller owns or the pool allocates (``owned=``);
-- ``BLOCK``: a fixed device block a CUDA graph captures (``DeviceBlock.stage``);
-- ``IN_PLACE``: the pinned slot itself, read over UVA (``zero_copy=True``): no copy.
-
-One lifecycle: ``OPEN`` (puts) -> ``FLUSHED`` (the one copy issued; kernels may be
-launched) -> ``CLOSED`` (the slot's fence recorded), or ``ABORTED``. The ring decides at
-close what the fence must follow (``PinnedRingBuffer._finish``).
+Values go into the slot's pinned bytes as they arrive; the device views they will land in
+are handed back at once. The placement, fixed at open, says where they land: ``RING`` (the
+slot's mirror), ``OWNED`` (``owned=``), ``BLOCK`` (``DeviceBlock.stage``) or ``IN_PLACE``
+(the pinned slot over UVA, no copy). One lifecycle: ``OPEN`` (puts) -> ``FLUSHED`` (the copy
+issued) -> ``CLOSED`` (the slot's fence recorded, ``PinnedRingBuffer._finish``), or ``ABORTED``.
 """
 
 from __future__ import annotations
@@ -31,7 +24,7 @@ from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, 
 from pinpool.layout import LANDING_ITEMSIZE, VIEW_LIFETIME, HostImage, Layout, align_up, landing_itemsize
 from pinpool.layout_step import LayoutStep, no_layout
 from pinpool.readback import Landing, Readback, SlotReads
-from pinpool.slot import Placed, SlotMemory, typed_view
+from pinpool.slot import SlotMemory, typed_view
 from pinpool.transport import Stream
 
 _ITEMSIZE = {d: d.itemsize for d in [*NUMPY_DTYPE, torch.bfloat16]}
@@ -60,7 +53,7 @@ RING, OWNED, BLOCK, IN_PLACE = Placement.RING, Placement.OWNED, Placement.BLOCK,
 
 
 class RingSide(SlotReads, Protocol):
-    """What a stage asks of its ring: private to the package (``PinnedRingBuffer`` is the one implementation)."""
+    """What a stage asks of its ring (``PinnedRingBuffer``), private to the package."""
 
     @property
     def settings(self) -> Any: ...
@@ -97,9 +90,8 @@ class Stage:
             host[:] = 7
         # exit: one copy of the used bytes on ``st.stream``, then the slot's fence
 
-    With a layout (``pool.stage(layout, rows=...)`` or ``DeviceBlock.stage``), ``put(name,
-    values)`` writes a field's live rows, ``views`` holds every field's device view and
-    ``landing(name)`` reads a landing field's results after close.
+    With a layout, ``put(name, values)`` writes a field's live rows, ``views`` holds each field's
+    device view and ``landing(name)`` reads a landing field's results after close.
     """
 
     __slots__ = (
@@ -225,8 +217,7 @@ class Stage:
 
     @property
     def is_live(self) -> bool:
-        """Whether the device views hold this stage's values for a kernel queued now: not before the
-        copy is issued, not once the slot was recycled (ring), not after close (in place)."""
+        """Whether a kernel queued now reads this stage's values: after the copy, before recycling or close."""
         if self.placement is IN_PLACE:
             return self.is_open and self._mem.generation == self.generation
         if self.state is OPEN:
@@ -252,9 +243,8 @@ class Stage:
     def put(self, values: Any, dtype: Any = None, *, name: str = "values") -> Any:
         """Write ``values`` into the slot; return the device tensor they will land in.
 
-        Accepts lists, tuples and scalars (``dtype`` required), numpy arrays, CPU tensors and
-        bytes-like objects, converted exactly or refused with a typed error before the
-        stage advances. With a layout, ``put("field", values)`` writes that field's live rows.
+        Lists, tuples and scalars (``dtype`` required), numpy arrays, CPU tensors and bytes-like
+        objects, converted exactly or refused, typed, before the stage advances.
         """
         if self.state is not OPEN:
             self._check_open()
@@ -298,10 +288,7 @@ class Stage:
     def reserve(
         self, numel: int, dtype: torch.dtype, *, name: str = "values"
     ) -> tuple[np.ndarray[Any, Any], torch.Tensor]:
-        """Claim ``numel`` elements: (numpy host view to fill in place before the copy, device view).
-
-        For callers that pack records themselves; numpy dtypes only; never spills.
-        """
+        """Claim ``numel`` elements: (numpy host view to fill before the copy, device view); never spills."""
         if self.state is not OPEN:
             self._check_open()
         target = check_dtype(dtype, name)
@@ -319,11 +306,9 @@ class Stage:
     def land(self, numel: int, dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, Landing]:
         """Have a kernel store ``numel`` values straight into this slot: (int64 device addresses, handle).
 
-        The values' bytes are claimed at the slot's end (outside the copy); their pinned
-        addresses go in the copy. Pass that view to the writer (``pinpool.landing.land``, the
-        sampler's ``land_to``) and launch it after ``flush`` and before close, on the stage's
-        stream or a registered consumer; the handle reads the values after a successful
-        close. Needs ``PoolSettings(zero_copy=True)``.
+        The values' bytes are claimed at the slot's end, outside the copy, which carries their
+        addresses. Launch the writer (``pinpool.landing.land``) after ``flush`` and before close, on
+        the stage's stream or a registered consumer; read the handle after a successful close.
         """
         if self.state is not OPEN:
             self._check_open()
@@ -348,10 +333,9 @@ class Stage:
         return addresses, handle
 
     def readback(self, src: torch.Tensor) -> Readback:
-        """Copy device tensor ``src`` back into this stage's slot, under the slot's fence; flushes first.
+        """Copy device tensor ``src`` back into this stage's slot, under its fence; flushes first.
 
-        Launch every kernel that reads the stage before it; nothing can be put after it. Read
-        the handle within ``VIEW_LIFETIME``.
+        Launch the stage's readers before it; read the handle within ``VIEW_LIFETIME``.
         """
         if not self.is_open:
             self._check_open()
@@ -381,18 +365,9 @@ class Stage:
     # -- layout ------------------------------------------------------------------------
     def open_layout(self, layout: Layout, rows: int, live: int) -> None:
         """Claim ``layout`` for ``rows`` rows, ``live`` of them real, and its landings (the ring checked the counts)."""
-        mem, dst, keep = self._mem, self.dst, self.placement is not OWNED  # an owned buffer may differ next time
-        key = ("layout", id(layout), id(dst), rows)  # ids: the entry holds both, so neither id is reused
-        placed = mem.views.get(key) if keep else None
-        if placed is None:
-            placed = Placed(layout, rows, mem, dst, self._block.views(rows) if self._block is not None else None)
-            if placed.nbytes > self.capacity:
-                raise CapacityError(
-                    f"a layout of {rows} rows needs {placed.nbytes} bytes but the stage has {self.capacity}; "
-                    "raise PoolSettings.slot_bytes or lower max_rows"
-                )
-            if keep:
-                mem.views.put(key, placed)
+        mem = self._mem
+        block_views = self._block.views if self._block is not None else None
+        placed = mem.placed(layout, rows, self.dst, block_views, self.capacity, keep=self.placement is not OWNED)
         self._step = step = LayoutStep(layout, rows, live, mem, placed)
         self.used_bytes, self._cursor = placed.nbytes, placed.cursor
         for i, at, dtype in placed.landings:
