@@ -16,9 +16,10 @@ import numpy as np
 import torch
 
 from pinpool.cache import BoundedCache
-from pinpool.encode import NUMPY_DTYPE
+from pinpool.encode import NUMPY_DTYPE, write
 from pinpool.exceptions import CapacityError, DeviceMismatchError, PoolStateError
 from pinpool.layout import LANDING_ITEMSIZE, Layout, align_up, landing_column
+from pinpool.platform import PlatformReport
 from pinpool.settings import PoolSettings
 from pinpool.transport import Fence, Stream, Transport
 
@@ -101,6 +102,18 @@ class SlotMemory:
         column_and_values: tuple[bytes, np.ndarray[Any, Any]] = hit
         return column_and_values
 
+    def spill(
+        self, transport: Transport, stream: Stream, src: Any, dtype: torch.dtype, numel: int, name: str
+    ) -> torch.Tensor:
+        """``src`` landed through a pinned buffer of its own and a second copy on ``stream`` (``overflow='spill'``)."""
+        nbytes = numel * dtype.itemsize
+        host = transport.alloc_host(nbytes)
+        write(host.numpy().view(NUMPY_DTYPE[dtype]) if dtype in NUMPY_DTYPE else host.view(dtype), src, dtype, name)
+        device = transport.alloc_device(nbytes, stream)  # from the pool of the stream that writes it
+        transport.copy(device, host, stream)
+        self.retained.append(host)  # the slot's fence, recorded at close, covers this copy
+        return device.view(dtype)
+
     def copy_views(self, dst: torch.Tensor, nbytes: int, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(device, pinned) views of a stage's one copy of ``nbytes``; kept unless ``dst`` may differ next time."""
         key = ("copy", id(dst), nbytes)  # held with ``dst``, so the id cannot be another tensor's
@@ -157,8 +170,11 @@ class SlotMemory:
         return views if key is None else self.views.put(key, views)
 
 
-def allocate_slots(transport: Transport, settings: PoolSettings) -> tuple[torch.Tensor, torch.Tensor, list[SlotMemory]]:
-    """(the pinned slab, the device mirror, each slot's memory over both with its fences): made once."""
+def allocate_slots(
+    transport: Transport, settings: PoolSettings
+) -> tuple[torch.Tensor, torch.Tensor, list[SlotMemory], PlatformReport]:
+    """(the pinned slab, the device mirror, each slot's memory over both with its fences and its UVA alias
+    where the zero-copy check passed, that check's report): made once."""
     slot_bytes, num_slots = settings.slot_bytes, settings.num_slots
     host_slab = transport.alloc_host(slot_bytes * num_slots)
     device_mirror = transport.alloc_device(slot_bytes * num_slots)
@@ -172,7 +188,13 @@ def allocate_slots(transport: Transport, settings: PoolSettings) -> tuple[torch.
         host, device = host_slab[start : start + slot_bytes], device_mirror[start : start + slot_bytes]
         fence, handoff = transport.new_fence(), transport.new_fence()
         slots.append(SlotMemory(host, device, host_bytes, start, settings.alignment, fence, first_user, handoff))
-    return host_slab, device_mirror, slots
+    platform = PlatformReport.unchecked()
+    if settings.zero_copy:
+        platform, alias = transport.check_zero_copy(host_slab)
+        if alias is not None and platform.zero_copy_ok:
+            for mem in slots:
+                mem.alias = alias[mem.host_base : mem.host_base + mem.nbytes]
+    return host_slab, device_mirror, slots, platform
 
 
 def typed_view(raw: torch.Tensor, dtype: torch.dtype, start: int, numel: int) -> torch.Tensor:

@@ -53,7 +53,7 @@ RING, OWNED, BLOCK, IN_PLACE = Placement.RING, Placement.OWNED, Placement.BLOCK,
 
 
 class RingSide(SlotReads, Protocol):
-    """What a stage asks of its ring (``PinnedRingBuffer``), private to the package."""
+    """What a stage asks of its ring (``SlotRing``, the package's side of ``PinnedRingBuffer``)."""
 
     @property
     def settings(self) -> Any: ...
