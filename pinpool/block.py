@@ -27,8 +27,9 @@ import torch
 
 from pinpool.exceptions import SettingsError
 from pinpool.layout import HostImage, Layout
+from pinpool.placement import BLOCK
 from pinpool.ring import PinnedRingBuffer
-from pinpool.stage import BLOCK, Stage
+from pinpool.stage import Stage
 from pinpool.transport import Fence, Stream, wait_for_streams
 
 

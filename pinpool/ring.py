@@ -11,10 +11,11 @@ import torch
 from pinpool.exceptions import CAPTURE_REFUSAL, PoolStateError
 from pinpool.layout import Layout
 from pinpool.log import get_logger
+from pinpool.placement import IN_PLACE, OWNED, RING
 from pinpool.readback import Readback
 from pinpool.settings import PoolSettings
 from pinpool.slot_ring import SlotRing
-from pinpool.stage import IN_PLACE, OWNED, RING, Stage
+from pinpool.stage import Stage
 from pinpool.stats import PoolStats
 from pinpool.transport import Stream, Transport
 

@@ -34,10 +34,11 @@ from pinpool.exceptions import (
 )
 from pinpool.layout import Layout, align_up
 from pinpool.log import get_logger
+from pinpool.placement import IN_PLACE, OWNED, RING, BlockSide, Placement
 from pinpool.readback import Readback
 from pinpool.settings import PoolSettings
 from pinpool.slot import allocate_slots
-from pinpool.stage import IN_PLACE, OWNED, RING, BlockSide, Placement, Stage
+from pinpool.stage import Stage
 from pinpool.stats import Counters
 from pinpool.transport import Fence, Stream, Transport, drain, wait_for_streams
 

@@ -1,19 +1,13 @@
-"""``Stage``: one claim of one ring slot, from open to close, whatever its placement.
+"""``Stage``: one claim of one ring slot, from open to close, whatever its placement (placement.py).
 
-Values go into the slot's pinned bytes as they arrive; the device views they will land in
-are handed back at once. The placement, fixed at open, says where they land: ``RING`` (the
-slot's mirror), ``OWNED`` (``owned=``), ``BLOCK`` (``DeviceBlock.stage``) or ``IN_PLACE``
-(the pinned slot over UVA, no copy). One lifecycle: ``OPEN`` (puts) -> ``FLUSHED`` (the copy
-issued) -> ``CLOSED`` (the slot's fence recorded, ``PinnedRingBuffer._finish``), or ``ABORTED``.
+Values go into the slot's pinned bytes as they arrive; their device views are handed back at once.
+One lifecycle: ``OPEN`` (puts) -> ``FLUSHED`` (the copy issued) -> ``CLOSED`` (the fence recorded), or ``ABORTED``.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import struct
-from collections.abc import Mapping
-from types import TracebackType
 from typing import Any, Protocol
 
 import numpy as np
@@ -22,34 +16,15 @@ import torch
 from pinpool.encode import NUMPY_DTYPE, PACKERS, as_source, check_dtype, int_in_range, packer_for, write
 from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
 from pinpool.layout import LANDING_ITEMSIZE, VIEW_LIFETIME, HostImage, Layout, align_up, landing_itemsize
-from pinpool.layout_step import LayoutStep, no_layout
+from pinpool.layout_step import LayoutStep, landing_index, no_layout
+from pinpool.placement import ABORTED, CLOSED, FLUSHED, IN_PLACE, OPEN, OWNED, RING, BlockSide, Placement, State
 from pinpool.readback import Landing, Readback, SlotReads
 from pinpool.slot import SlotMemory, typed_view
 from pinpool.transport import Stream
 
+#: ``Placement`` and ``State`` are read from here too (their home is placement.py).
+__all__ = ["Placement", "RingSide", "Stage", "State"]
 _ITEMSIZE = {d: d.itemsize for d in [*NUMPY_DTYPE, torch.bfloat16]}
-LAND_WITHOUT_FLUSH = (
-    "a stage with landings needs flush() before close: the writer is launched between the two, after the "
-    "copy that carries its addresses; the stage was aborted and nothing was copied"
-)
-
-
-class Placement(enum.Enum):
-    RING = "ring"
-    OWNED = "owned"
-    BLOCK = "block"
-    IN_PLACE = "in place"
-
-
-class State(enum.Enum):
-    OPEN = "open"
-    FLUSHED = "flushed"
-    CLOSED = "closed"
-    ABORTED = "aborted"
-
-
-OPEN, FLUSHED, CLOSED, ABORTED = State.OPEN, State.FLUSHED, State.CLOSED, State.ABORTED
-RING, OWNED, BLOCK, IN_PLACE = Placement.RING, Placement.OWNED, Placement.BLOCK, Placement.IN_PLACE
 
 
 class RingSide(SlotReads, Protocol):
@@ -68,15 +43,6 @@ class RingSide(SlotReads, Protocol):
     def _check_can_land(self) -> None: ...
 
     can_land: bool
-
-
-class BlockSide(Protocol):
-    """What a ``BLOCK`` stage asks of its ``DeviceBlock`` around the copy."""
-
-    def before_copy(self, stream: Stream) -> None: ...
-    def after_copy(self, stream: Stream) -> None: ...
-    def wait_for_readers(self, stream: Stream) -> None: ...
-    def views(self, rows: int) -> Mapping[str, torch.Tensor]: ...
 
 
 class Stage:
@@ -162,9 +128,7 @@ class Stage:
     def __enter__(self) -> Stage:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         self.close(ok=exc_type is None)
 
     def flush(self) -> None:
@@ -182,7 +146,10 @@ class Stage:
                 # The copy would carry live addresses that a kernel launched after close
                 # could still store through, past the slot's fence: abort instead.
                 self.close(ok=False)
-                raise PoolStateError(LAND_WITHOUT_FLUSH)
+                raise PoolStateError(
+                    "a stage with landings needs flush() before close: the writer is launched between the two, "
+                    "after the copy that carries its addresses; the stage was aborted and nothing was copied"
+                )
             try:
                 self._issue()  # raises, the stage aborted, when a layout field was not written
             except BaseException:
@@ -304,11 +271,10 @@ class Stage:
         return host, self._advance(start, target, numel, nbytes)
 
     def land(self, numel: int, dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, Landing]:
-        """Have a kernel store ``numel`` values straight into this slot: (int64 device addresses, handle).
+        """Have a kernel store ``numel`` values into this slot's end: (int64 device addresses, handle).
 
-        The values' bytes are claimed at the slot's end, outside the copy, which carries their
-        addresses. Launch the writer (``pinpool.landing.land``) after ``flush`` and before close, on
-        the stage's stream or a registered consumer; read the handle after a successful close.
+        Launch the writer (``pinpool.landing.land``) after ``flush`` and before close, on the stage's
+        stream or a registered consumer; read the handle after a successful close.
         """
         if self.state is not OPEN:
             self._check_open()
@@ -333,10 +299,7 @@ class Stage:
         return addresses, handle
 
     def readback(self, src: torch.Tensor) -> Readback:
-        """Copy device tensor ``src`` back into this stage's slot, under its fence; flushes first.
-
-        Launch the stage's readers before it; read the handle within ``VIEW_LIFETIME``.
-        """
+        """Copy device tensor ``src`` back into this slot under its fence (flushes first; launch readers before)."""
         if not self.is_open:
             self._check_open()
         offset = align_up(self._cursor, self._mem.alignment)
@@ -397,9 +360,7 @@ class Stage:
 
     def landing(self, name: str) -> Landing:
         """The handle that reads landing field ``name``'s values after a successful close."""
-        if self._step is None:
-            raise StagingValueError(f"'name' must be a landing field of this stage's layout (got {name!r})")
-        return self._landings[self._step.landing_index(name)]
+        return self._landings[landing_index(self._step, name)]
 
     # -- internals ---------------------------------------------------------------------
     def _advance(self, start: int, dtype: torch.dtype, numel: int, nbytes: int) -> torch.Tensor:
