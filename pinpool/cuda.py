@@ -129,13 +129,7 @@ class CudaTransport:
 
     def resolve_stream(self, stream: Stream | None) -> Stream:
         if stream is None:  # the pool's device's current stream, whichever device is current
-            stream_id, index, device_type = _current_stream_of(self.index)
-            cached = self._current
-            if cached is None or cached.stream_id != stream_id:
-                cached = self._current = torch.cuda.Stream(  # type: ignore[no-untyped-call]
-                    stream_id=stream_id, device_index=index, device_type=device_type
-                )
-            return cached
+            return self._current_stream(*_current_stream_of(self.index))
         if not isinstance(stream, torch.cuda.Stream):
             raise DeviceMismatchError(f"'stream' must be a torch.cuda.Stream (got {type(stream).__name__})")
         if stream.device_index != self.index:
@@ -144,6 +138,15 @@ class CudaTransport:
                 "create one pool per device"
             )
         return stream
+
+    def _current_stream(self, stream_id: int, index: int, device_type: int) -> Stream:
+        """The device's current stream as a torch object, made again only when another one is current."""
+        cached = self._current
+        if cached is None or cached.stream_id != stream_id:
+            cached = self._current = torch.cuda.Stream(  # type: ignore[no-untyped-call]
+                stream_id=stream_id, device_index=index, device_type=device_type
+            )
+        return cached
 
     def same_stream(self, a: Stream, b: Stream) -> bool:
         return a is b or a.stream_id == b.stream_id
@@ -181,12 +184,7 @@ class CudaTransport:
         if stream is None and _is_capturing is not None:
             stream_id, device, device_type = _current_stream_of(-1)  # -1: the current device's, with its index
             if device == self.index:
-                cached = self._current
-                if cached is None or cached.stream_id != stream_id:
-                    cached = self._current = torch.cuda.Stream(  # type: ignore[no-untyped-call]
-                        stream_id=stream_id, device_index=device, device_type=device_type
-                    )
-                return cached, bool(_is_capturing())
+                return self._current_stream(stream_id, device, device_type), bool(_is_capturing())
         resolved = self.resolve_stream(stream)
         return resolved, self.capturing(resolved)
 

@@ -60,3 +60,12 @@ class PlatformError(PoolStateError):
 
 class UnguardedReaderError(PoolStateError):
     """(debug) A zero-copy stage closed under a stream that is neither its own nor a registered consumer."""
+
+
+#: Why a stage or read-back is refused while a CUDA graph capture would take it.
+CAPTURE_REFUSAL = (
+    "a stream this stage would touch is capturing a CUDA graph (its 'stream', or the current "
+    "stream): the stage's copy and fence would be baked into the graph at this slot's address, "
+    "every replay reading or writing the slot after the ring has reused it; stage before the "
+    "capture or between replays, and give the graph a DeviceBlock's views (fixed addresses)"
+)

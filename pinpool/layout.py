@@ -133,10 +133,12 @@ class Layout:
         self.all_written = sum(1 << i for i, f in enumerate(fields) if f.lands is None)
         self.itemsizes = [int(NUMPY_DTYPE[f.dtype].itemsize) for f in fields]
 
-    def check_rows(self, rows: Any) -> None:
-        """A typed error for a row count outside ``[0, max_rows]``."""
+    def check_rows(self, rows: Any, live: Any = 0) -> None:
+        """A typed error for a row count outside ``[0, max_rows]``, or ``live`` real rows outside ``[0, rows]``."""
         if not int_in_range(rows, 0, self.max_rows):
             raise StagingValueError(f"'rows' must be an int in [0, max_rows={self.max_rows}] (got {rows!r})")
+        if not int_in_range(live, 0, rows):
+            raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
 
     def plan(self, rows: int) -> Plan:
         """Where every field sits for ``rows`` padded rows (``0 <= rows <= max_rows``).
@@ -180,8 +182,7 @@ class Layout:
 
     def host_image(self, rows: int, live: int) -> HostImage:
         """A plain host copy of the layout for (``rows``, ``live``), padding already written."""
-        if not int_in_range(live, 0, rows):
-            raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
+        self.check_rows(rows, live)
         return HostImage(self, rows, live)
 
 

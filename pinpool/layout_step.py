@@ -100,18 +100,19 @@ class LayoutStep:
             self.placed.pad(self.live)
             self.padded = True
 
-    def landing_index(self, name: str) -> int:
-        """Which of the layout's landings field ``name`` is."""
-        i = self.layout.field(name)
-        if i not in self.layout.landings:
-            raise StagingValueError(f"'name' must be a landing field of this stage's layout (got {name!r})")
-        return self.layout.landings.index(i)
-
     def input_field(self, name: str) -> int:
         i = self.layout.field(name)
         if self.layout.fields[i].lands is not None:
             raise PoolStateError(f"field {name!r} is a landing: the stage writes its addresses itself")
         return i
+
+
+def landing_index(step: LayoutStep | None, name: str) -> int:
+    """Which of the step's layout's landings field ``name`` is (a typed error when it is none, or no layout)."""
+    i = step.layout.field(name) if step is not None else None  # an undeclared name: its own typed error
+    if step is None or i not in step.layout.landings:
+        raise StagingValueError(f"'name' must be a landing field of this stage's layout (got {name!r})")
+    return step.layout.landings.index(i)
 
 
 def no_layout(name: str) -> StagingTypeError:

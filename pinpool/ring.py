@@ -1,65 +1,28 @@
-"""``PinnedRingBuffer``: persistent pinned host slots, their device mirror, and the rules of reuse.
+"""``PinnedRingBuffer``: persistent pinned host slots and their device mirror, as a user calls them.
 
-Each slot's state (its fence, its last user's stream, its generation, what it keeps alive)
-lives in its ``SlotMemory`` (slot.py); the ring applies the rules to it. A value's path:
-``Stage.put`` writes the slot's pinned bytes (stage.py), ``_issue_copy`` lands the used
-bytes with one copy on the stage's stream, ``_finish`` records the slot's fence there, and
-the next ``_claim`` of the slot waits on that fence before the host writes the bytes again.
-
-The rules, each kept in one place:
-1. the host rewrites a slot only after its fence has passed (``_claim``);
-2. the device copy of a slot is rewritten only after its readers, on any stream: the
-   previous user's stream and the registered consumers are waited for on the device
-   (``_claim``, through ``transport.wait_for_streams``);
-3. one copy per stage (``_issue_copy``);
-4. owned, block and in-place placements land where the stage says (stage.py);
-5. ``retain`` keeps objects alive until the slot's next fence has passed;
-6. read-backs take a slot like a stage (``readback``, ``Stage.readback``);
-7. on a CPU pool the same rules run on plain memory, with synchronous copies;
-8. every CUDA call runs under the pool's device (the transport's job).
+The slots' state and the rules of their reuse live in ``SlotRing`` (slot_ring.py).
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from typing import Any
-
 import attrs
 import torch
 
-from pinpool.cuda import transport_for
-from pinpool.encode import NUMPY_DTYPE, int_in_range, write
-from pinpool.exceptions import (
-    DeviceMismatchError,
-    PoolStateError,
-    SettingsTypeError,
-    StagingValueError,
-    ThreadOwnershipError,
-    UnguardedReaderError,
-)
-from pinpool.layout import Layout, align_up
+from pinpool.exceptions import CAPTURE_REFUSAL, PoolStateError
+from pinpool.layout import Layout
 from pinpool.log import get_logger
-from pinpool.platform import PlatformReport
+from pinpool.placement import IN_PLACE, OWNED, RING
 from pinpool.readback import Readback
 from pinpool.settings import PoolSettings
-from pinpool.slot import allocate_slots
-from pinpool.stage import IN_PLACE, OWNED, RING, BlockSide, Placement, Stage
-from pinpool.stats import Counters, PoolStats
-from pinpool.transport import Fence, Stream, Transport, drain, wait_for_streams
+from pinpool.slot_ring import SlotRing
+from pinpool.stage import Stage
+from pinpool.stats import PoolStats
+from pinpool.transport import Stream, Transport
 
 _log = get_logger("pinpool")
-#: Why a stage or read-back is refused while a CUDA graph capture would take it.
-CAPTURE_REFUSAL = (
-    "a stream this stage would touch is capturing a CUDA graph (its 'stream', or the current "
-    "stream): the stage's copy and fence would be baked into the graph at this slot's address, "
-    "every replay reading or writing the slot after the ring has reused it; stage before the "
-    "capture or between replays, and give the graph a DeviceBlock's views (fixed addresses)"
-)
-_POISON_BYTE = 0xFF  # NaN in every float dtype, -1 in every signed int dtype
 
 
-class PinnedRingBuffer:
+class PinnedRingBuffer(SlotRing):
     """A ring of ``num_slots`` reusable staging slots for one device.
 
     Example::
@@ -69,47 +32,13 @@ class PinnedRingBuffer:
             temps = st.put([0.7, 1.0], torch.float32)
         # one copy landed both values; ``temps`` stays valid for 3 more claims
 
-    One pool per worker process and device; not thread-safe (``debug=True`` checks that
-    only the creating thread uses it).
+    One pool per worker process and device; not thread-safe (``debug=True`` checks the thread).
     """
 
     def __init__(self, settings: PoolSettings | None = None, *, transport: Transport | None = None) -> None:
-        """Allocate the pinned slab, the device mirror and one fence per slot: all the memory it will use.
-
-        ``transport``: how copies and fences are made (default: CUDA through torch, or plain
-        host memory on CPU); tests pass ``pinpool.testing.LaggingGpu``.
-        """
-        if settings is not None and not isinstance(settings, PoolSettings):
-            raise SettingsTypeError(
-                f"'settings' must be a PoolSettings or None (got {settings!r}); e.g. PoolSettings(device='cpu')"
-            )
-        self.settings = settings = settings if settings is not None else PoolSettings()
-        self._transport = transport if transport is not None else transport_for(settings.device)
-        if self._transport.device != settings.device:
-            raise DeviceMismatchError(
-                f"'transport' must serve the settings' device {settings.device} (got {self._transport.device})"
-            )
-        self._resolve_for_stage = self._transport.resolve_for_stage  # the stage's stream, and whether it is capturing
-        self._num_slots = settings.num_slots
-        self._debug = settings.debug
-        self.host_slab, self.device_mirror, self._slots = allocate_slots(self._transport, settings)
-        self._consumers: list[tuple[Stream, list[Fence]]] = []
-        #: Streams teardown waits for besides the slots' last users and the consumers.
-        self._teardown_streams: list[Stream] = []
-        self.platform = PlatformReport.unchecked()
-        if settings.zero_copy:
-            self.platform, alias = self._transport.check_zero_copy(self.host_slab)
-            if alias is not None and self.platform.zero_copy_ok:
-                for mem in self._slots:
-                    mem.alias = alias[mem.host_base : mem.host_base + mem.nbytes]
-        #: Whether kernels may read and write the pinned slots in place (zero-copy stages, landings).
-        self.can_land = self._slots[0].alias is not None
-        self._next_slot = 0
-        self._generation = 0
-        self._open: Stage | None = None
-        self._closed = False
-        self._owner_thread = threading.get_ident()
-        self._counters = Counters(host_allocations=1, device_allocations=1)
+        """Allocate all the memory the pool will use. ``transport``: tests pass ``pinpool.testing.LaggingGpu``."""
+        super().__init__(settings, transport)
+        settings = self.settings
         _log.info(
             "pool.created",
             device=str(settings.device),
@@ -120,11 +49,6 @@ class PinnedRingBuffer:
             path=self._transport.path,
             **self.platform.log_fields(),
         )
-
-    # -- what a user calls -------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.settings.device
 
     @property
     def transport(self) -> Transport:
@@ -137,10 +61,7 @@ class PinnedRingBuffer:
 
     @property
     def claims(self) -> int:
-        """Slots claimed so far: every stage and every read-back, a library call's own included.
-
-        The unit of a ring view's lifetime: ``num_slots - 1`` further claims (``VIEW_LIFETIME``).
-        """
+        """Slots claimed so far (stages and read-backs): the unit of ``VIEW_LIFETIME``."""
         return self._generation
 
     def stage(
@@ -155,13 +76,10 @@ class PinnedRingBuffer:
     ) -> Stage:
         """Open a stage in the next slot; use as ``with pool.stage() as st:``.
 
-        ``layout``, ``rows``, ``live``: claim a declared layout for ``rows`` rows, ``live`` of
-        them real (each defaults to the other). ``stream``: where the copy, fence and
-        read-backs go, fixed now (the one passed, or the pool device's current stream).
-        Placement: the ring's mirror by default; ``owned``: a byte count the pool allocates,
-        or a contiguous 1-D uint8 device tensor of the caller's, for data that outlives the
-        ring; ``zero_copy=True``: kernels read the pinned slot in place, no copy (needs
-        ``PoolSettings(zero_copy=True)``; launch every reader before close).
+        ``layout`` for ``rows`` rows, ``live`` of them real (each defaults to the other). ``stream``:
+        fixed now (default: the pool device's current one). Placement: the ring's mirror; ``owned``
+        (a byte count, or a contiguous 1-D uint8 device tensor) for data that outlives the ring;
+        ``zero_copy=True``: kernels read the pinned slot in place (launch every reader before close).
         """
         if zero_copy is not False and zero_copy is not True:
             raise PoolStateError(f"'zero_copy' must be a bool (got {zero_copy!r})")
@@ -176,11 +94,8 @@ class PinnedRingBuffer:
         return self._open_stage(stream, OWNED, owned, layout, rows, live)
 
     def readback(self, src: torch.Tensor, *, stream: Stream | None = None) -> Readback:
-        """Copy device tensor ``src`` into the next slot's pinned bytes; read the handle later.
-
-        The stream is fixed now; the slot's fence is waited on before the copy and recorded
-        after it. Values stay readable for ``VIEW_LIFETIME``.
-        """
+        """Copy device tensor ``src`` into the next slot's pinned bytes on a stream fixed now; read the
+        handle within ``VIEW_LIFETIME``."""
         self._check_usable()
         stream, capturing = self._resolve_for_stage(stream)
         if capturing:
@@ -193,11 +108,7 @@ class PinnedRingBuffer:
         return handle
 
     def register_consumer_stream(self, stream: Stream) -> None:
-        """Protect staged views read on ``stream`` as well as on the stage's own (rule 2).
-
-        Before a slot's device copy is overwritten, the stage's stream waits on the device
-        for the work queued on ``stream`` so far: never a host wait.
-        """
+        """Protect staged views read on ``stream`` as well as on the stage's own (rule 2, a device wait)."""
         self._check_usable()
         stream = self._transport.resolve_stream(stream)
         if any(self._transport.same_stream(s, stream) for s, _ in self._consumers):
@@ -219,10 +130,7 @@ class PinnedRingBuffer:
         return PoolStats.of(self._counters, self.platform)
 
     def close(self) -> None:
-        """Wait for every in-flight copy, then drop the memory. A second call is a no-op.
-
-        Inside an open stage it raises and frees nothing: that stage's copy may be queued.
-        """
+        """Wait for every in-flight copy, then drop the memory; refused inside an open stage (its copy may queue)."""
         if self._closed:
             return
         if self._open is not None:
@@ -231,7 +139,6 @@ class PinnedRingBuffer:
         self._closed = True
         for mem in self._slots:
             mem.retained.clear()
-        for mem in self._slots:
             mem.views.clear()  # the views kept per slot hold their memory (a block's, say) alive
         _log.info("pool.closed", device=str(self.device), **attrs.asdict(self._counters))
 
@@ -253,244 +160,3 @@ class PinnedRingBuffer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- the package's side: stages, blocks and read-back handles call these ----------------
-    def slot_generation(self, slot: int) -> int:
-        """The generation of the claim that holds ``slot`` now (a lease is live while it matches)."""
-        return self._slots[slot].generation
-
-    def wait_for_readback(self, fence: Fence) -> None:
-        """The host wait of a read whose copy or writer has not finished: counted and timed."""
-        start = time.perf_counter()
-        fence.synchronize()  # sync-ok: the caller asked for values whose copy is still queued
-        counters = self._counters
-        counters.readback_waits += 1
-        counters.readback_wait_seconds += time.perf_counter() - start
-
-    def _open_stage(
-        self,
-        stream: Stream | None,
-        placement: Placement,
-        owned: int | torch.Tensor | None,
-        layout: Layout | None,
-        rows: int | None,
-        live: int | None,
-        block: BlockSide | None = None,
-        block_memory: torch.Tensor | None = None,
-    ) -> Stage:
-        """Every placement opens here: checks, then the claim, then the layout; a refused open claims nothing."""
-        if self._open is not None or self._closed or self._debug:
-            self._check_usable()
-        passed = stream
-        stream, capturing = self._resolve_for_stage(stream)
-        if capturing:
-            raise PoolStateError(CAPTURE_REFUSAL)
-        if layout is not None:
-            if not isinstance(layout, Layout):
-                raise PoolStateError(f"'layout' must be a pinpool.Layout or None (got {type(layout).__name__})")
-            rows = live if rows is None else rows
-            live = rows if live is None else live
-            if rows is None:
-                raise PoolStateError("a stage with a layout needs 'rows' (or 'live')")
-            layout.check_rows(rows)  # typed errors before the claim
-            if not int_in_range(live, 0, rows):  # and for a bad ``live``
-                raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
-            if layout.landings and not self.can_land:
-                self._check_can_land()
-        elif rows is not None or live is not None:
-            raise PoolStateError("'rows' and 'live' need a 'layout'")
-        if placement is IN_PLACE and not self.can_land:
-            self._check_can_land()
-        dst: torch.Tensor | None = block_memory
-        if placement is OWNED:
-            dst = self._owned_buffer(owned, None if passed is None else stream)
-        slot = self._claim(stream, placement, writes_mirror=placement is RING)
-        mem = self._slots[slot]
-        if dst is None:
-            dst = mem.alias if placement is IN_PLACE else mem.device_raw
-        assert dst is not None
-        st = Stage(self, mem, slot, self._generation, stream, placement, dst, block)
-        self._open = st
-        if layout is not None:
-            try:
-                st.open_layout(layout, rows, live)  # type: ignore[arg-type]
-            except BaseException:
-                st.close(ok=False)
-                raise
-        return st
-
-    def _issue_copy(self, st: Stage) -> None:
-        """The stage's one copy of its used bytes (rule 3), on its own stream."""
-        nbytes = st.used_bytes
-        if nbytes == 0:
-            return
-        mem = st._mem
-        # Keyed by the destination's id and held with it, so the id cannot be another tensor's.
-        pair = mem.views.get(("copy", id(st.dst), nbytes)) if st.placement is not OWNED else None
-        if pair is None:
-            pair = (st.dst, st.dst[:nbytes], mem.host_raw[:nbytes])
-            if st.placement is not OWNED:  # an owned buffer may be another one next time
-                mem.views.put(("copy", id(st.dst), nbytes), pair)
-        self._transport.copy(pair[1], pair[2], st.stream)
-        st.copy_issued = True
-        counters = self._counters
-        counters.copies += 1
-        counters.bytes_copied += nbytes
-
-    def _finish(self, st: Stage, ok: bool) -> None:
-        """Close ``st``: the slot's fence after what may still read or write the slot, or the slot as it was."""
-        if self._open is not st:
-            return
-        self._open = None
-        counters = self._counters
-        slot = st.slot
-        in_place = st.placement is IN_PLACE
-        if not ok:
-            _log.debug("stage.aborted", slot=slot, generation=st.generation)
-        if not (st.copy_issued or st.landing_bytes or self._slots[slot].retained or (in_place and st.used_bytes)):
-            # Nothing queued reads or writes the slot: the next claim gets it as it is (its
-            # generation moves on, so this stage's views read as stale).
-            counters.stages += ok
-            counters.aborted_stages += not ok
-            counters.zero_copy_stages += ok and in_place
-            return
-        if (in_place or st.landing_bytes) and self._consumers:
-            # Kernels on registered consumers read the slot in place or store into it: the
-            # fence follows the work queued there so far.
-            self._wait_for_consumers(slot, st.stream)
-        self._slots[slot].fence.record(st.stream)
-        self._next_slot = (slot + 1) % self._num_slots
-        counters.stages += 1
-        counters.aborted_stages += not ok
-        counters.owned_stages += st.placement is OWNED
-        counters.zero_copy_stages += in_place
-        if self._debug and ok and (in_place or st.landing_bytes):
-            self._refuse_unregistered_reader(st)
-
-    def _check_can_land(self) -> None:
-        if not self.can_land:
-            raise self.platform.refusal(self.device)  # PoolStateError / PlatformError, saying why
-
-    def _drain_at_teardown(self, stream: Stream) -> None:
-        """Have ``close()`` also wait for ``stream`` (a block's readers, whose replays may store into a slot)."""
-        if not any(self._transport.same_stream(stream, s) for s in self._teardown_streams):
-            self._teardown_streams.append(stream)
-
-    def _copy_back(
-        self, slot: int, generation: int, stream: Stream, src: torch.Tensor, views: tuple[torch.Tensor, Any, int]
-    ) -> Readback:
-        """A read-back (the pool's or a stage's): one device-to-pinned copy on ``stream``, then the slot's fence."""
-        host_t, host_np, nbytes = views
-        fence = self._slots[slot].fence
-        self._transport.copy(host_t, src, stream)
-        fence.record(stream)
-        self._count_readback(nbytes)
-        return Readback(self, slot, generation, fence, host_np)
-
-    def _spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor:
-        """Stage ``src`` through its own pinned buffer (``overflow='spill'``): correct, counted, logged, not free."""
-        nbytes = numel * dtype.itemsize
-        transport = self._transport
-        host = transport.alloc_host(nbytes)
-        write(host.numpy().view(NUMPY_DTYPE[dtype]) if dtype in NUMPY_DTYPE else host.view(dtype), src, dtype, name)
-        device = transport.alloc_device(nbytes, st.stream)  # from the pool of the stream that writes it
-        transport.copy(device, host, st.stream)
-        st._mem.retained.append(host)  # the slot's fence, recorded at close, covers this copy
-        counters = self._counters
-        counters.overflows += 1
-        counters.host_allocations += 1
-        counters.device_allocations += 1
-        counters.copies += 1
-        counters.bytes_copied += nbytes
-        _log.warning("stage.overflow", field=name, nbytes=nbytes, slot_bytes=self.settings.slot_bytes)
-        return device.view(dtype)
-
-    # -- internals ---------------------------------------------------------------------
-    def _claim(self, stream: Stream, placement: Placement, *, writes_mirror: bool) -> int:
-        """The next slot, safe to write on the host and guarded on the device for ``stream``, under a new generation."""
-        slot = self._next_slot
-        mem = self._slots[slot]
-        # Rule 1: the host bytes may still feed a copy, receive a read-back or be read in
-        # place. Bounded: only when the GPU is num_slots claims behind.
-        if not mem.fence.query():
-            self._stall(slot, mem.fence)
-        if mem.retained:
-            mem.retained.clear()  # rule 5: the fence has passed, so their readers are done
-        if placement is not IN_PLACE:  # an in-place stage never touches the device copy
-            last = mem.last_user
-            if last is not stream and not self._transport.same_stream(last, stream):
-                # Rule 2, change of stream: the previous user's queued work on the slot comes first.
-                wait_for_streams(self._transport, stream, ((last, mem.handoff),))
-            mem.last_user = stream
-            if writes_mirror and (self._consumers or self._debug):
-                self._wait_for_consumers(slot, stream)
-                if self._debug:  # a stale raw view of the recycled bytes reads NaN / -1, not old data
-                    self._transport.fill(mem.device_raw, _POISON_BYTE, stream)
-        self._generation += 1
-        mem.generation = self._generation
-        return slot
-
-    def _wait_for_consumers(self, slot: int, stream: Stream) -> None:
-        wait_for_streams(self._transport, stream, [(consumer, fences[slot]) for consumer, fences in self._consumers])
-
-    def _owned_buffer(self, owned: int | torch.Tensor | None, stream: Stream | None) -> torch.Tensor:
-        if isinstance(owned, torch.Tensor):
-            if owned.device != self.device:
-                raise DeviceMismatchError(f"'owned' must be on the pool's device {self.device} (got {owned.device})")
-            if owned.dtype != torch.uint8 or owned.dim() != 1 or not owned.is_contiguous():
-                raise PoolStateError(
-                    f"'owned' must be a contiguous 1-D uint8 tensor (got {owned.dtype} of shape {tuple(owned.shape)})"
-                )
-            return owned
-        if not int_in_range(owned, 1):
-            raise PoolStateError(f"'owned' must be a byte count >= 1 or a uint8 device tensor (got {owned!r})")
-        self._counters.device_allocations += 1
-        # For the stage's stream, which writes it (None: the current one, without asking again).
-        return self._transport.alloc_device(align_up(owned, self.settings.alignment), stream)  # type: ignore[arg-type]
-
-    def _count_readback(self, nbytes: int) -> None:
-        counters = self._counters
-        counters.readbacks += 1
-        counters.bytes_read_back += nbytes
-
-    def _refuse_unregistered_reader(self, st: Stage) -> None:
-        """(debug) A stage read in place or landed into, closed under a stream its fence does not cover."""
-        transport = self._transport
-        current = transport.resolve_stream(None)
-        covered = [st.stream, *(c for c, _ in self._consumers), *self._teardown_streams]
-        if any(transport.same_stream(current, s) for s in covered):
-            return
-        raise UnguardedReaderError(
-            f"stage {st.generation} ({st.placement.value}, landings: {st.landing_bytes}) closed while stream "
-            f"{current!r} is current, which is neither the stage's stream nor a registered consumer: kernels there "
-            "are not covered by the slot's fence. Register it with pool.register_consumer_stream(stream)"
-        )
-
-    def _drain(self) -> None:
-        """Teardown: wait for everything that may still read or write the pool's memory."""
-        users = [*(m.last_user for m in self._slots), *(c for c, _ in self._consumers), *self._teardown_streams]
-        drain(self._transport, users, [m.fence for m in self._slots])
-
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise PoolStateError("the pool is closed: create a new PinnedRingBuffer")
-        if self._open is not None:
-            raise PoolStateError(
-                f"stage() called inside open stage {self._open.generation}: finish it before opening another"
-            )
-        if self._debug and threading.get_ident() != self._owner_thread:
-            raise ThreadOwnershipError(
-                "a PinnedRingBuffer must be used only from the thread that created it "
-                f"(owner {self._owner_thread}, caller {threading.get_ident()}); create one pool per worker"
-            )
-
-    def _stall(self, slot: int, fence: Fence) -> None:
-        start = time.perf_counter()
-        fence.synchronize()  # sync-ok: rule 1, bounded; only when the GPU is num_slots claims behind
-        waited = time.perf_counter() - start
-        counters = self._counters
-        counters.stalls += 1
-        counters.stall_seconds += waited
-        counters.max_stall_seconds = max(counters.max_stall_seconds, waited)
-        if self.settings.log_stalls:
-            _log.warning("slot.stall", slot=slot, seconds=waited, stalls=counters.stalls)

@@ -9,18 +9,22 @@ view out of uint8 memory.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 from pinpool.cache import BoundedCache
-from pinpool.encode import NUMPY_DTYPE
+from pinpool.encode import NUMPY_DTYPE, write
 from pinpool.exceptions import CapacityError, DeviceMismatchError, PoolStateError
 from pinpool.layout import LANDING_ITEMSIZE, Layout, align_up, landing_column
+from pinpool.platform import PlatformReport
 from pinpool.settings import PoolSettings
 from pinpool.transport import Fence, Stream, Transport
+
+#: A ``DeviceBlock``'s ``views``: the fixed views a layout placed in the block lands in.
+BlockViews = Callable[[int], Mapping[str, torch.Tensor]] | None
 
 
 class SlotMemory:
@@ -98,6 +102,45 @@ class SlotMemory:
         column_and_values: tuple[bytes, np.ndarray[Any, Any]] = hit
         return column_and_values
 
+    def spill(
+        self, transport: Transport, stream: Stream, src: Any, dtype: torch.dtype, numel: int, name: str
+    ) -> torch.Tensor:
+        """``src`` landed through a pinned buffer of its own and a second copy on ``stream`` (``overflow='spill'``)."""
+        nbytes = numel * dtype.itemsize
+        host = transport.alloc_host(nbytes)
+        write(host.numpy().view(NUMPY_DTYPE[dtype]) if dtype in NUMPY_DTYPE else host.view(dtype), src, dtype, name)
+        device = transport.alloc_device(nbytes, stream)  # from the pool of the stream that writes it
+        transport.copy(device, host, stream)
+        self.retained.append(host)  # the slot's fence, recorded at close, covers this copy
+        return device.view(dtype)
+
+    def copy_views(self, dst: torch.Tensor, nbytes: int, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device, pinned) views of a stage's one copy of ``nbytes``; kept unless ``dst`` may differ next time."""
+        key = ("copy", id(dst), nbytes)  # held with ``dst``, so the id cannot be another tensor's
+        pair = self.views.get(key) if keep else None
+        if pair is None:
+            pair = (dst, dst[:nbytes], self.host_raw[:nbytes])
+            if keep:
+                self.views.put(key, pair)
+        return pair[1], pair[2]
+
+    def placed(
+        self, layout: Layout, rows: int, dst: torch.Tensor, block_views: BlockViews, capacity: int, keep: bool
+    ) -> Placed:
+        """``layout`` for ``rows`` rows placed at ``dst`` (or a block's ``views``), kept if ``keep``."""
+        key = ("layout", id(layout), id(dst), rows)  # ids: the entry holds both, so neither id is reused
+        placed: Placed | None = self.views.get(key) if keep else None
+        if placed is None:
+            placed = Placed(layout, rows, self, dst, block_views(rows) if block_views is not None else None)
+            if placed.nbytes > capacity:
+                raise CapacityError(
+                    f"a layout of {rows} rows needs {placed.nbytes} bytes but the stage has {capacity}; "
+                    "raise PoolSettings.slot_bytes or lower max_rows"
+                )
+            if keep:
+                self.views.put(key, placed)
+        return placed
+
     def readback_views(self, src: torch.Tensor, offset: int, device: torch.device) -> tuple[torch.Tensor, Any, int]:
         """(pinned torch view, numpy view, bytes) a read-back of ``src`` at ``offset`` copies into; typed errors.
 
@@ -127,8 +170,11 @@ class SlotMemory:
         return views if key is None else self.views.put(key, views)
 
 
-def allocate_slots(transport: Transport, settings: PoolSettings) -> tuple[torch.Tensor, torch.Tensor, list[SlotMemory]]:
-    """(the pinned slab, the device mirror, each slot's memory over both with its fences): made once."""
+def allocate_slots(
+    transport: Transport, settings: PoolSettings
+) -> tuple[torch.Tensor, torch.Tensor, list[SlotMemory], PlatformReport]:
+    """(the pinned slab, the device mirror, each slot's memory over both with its fences and its UVA alias
+    where the zero-copy check passed, that check's report): made once."""
     slot_bytes, num_slots = settings.slot_bytes, settings.num_slots
     host_slab = transport.alloc_host(slot_bytes * num_slots)
     device_mirror = transport.alloc_device(slot_bytes * num_slots)
@@ -142,7 +188,13 @@ def allocate_slots(transport: Transport, settings: PoolSettings) -> tuple[torch.
         host, device = host_slab[start : start + slot_bytes], device_mirror[start : start + slot_bytes]
         fence, handoff = transport.new_fence(), transport.new_fence()
         slots.append(SlotMemory(host, device, host_bytes, start, settings.alignment, fence, first_user, handoff))
-    return host_slab, device_mirror, slots
+    platform = PlatformReport.unchecked()
+    if settings.zero_copy:
+        platform, alias = transport.check_zero_copy(host_slab)
+        if alias is not None and platform.zero_copy_ok:
+            for mem in slots:
+                mem.alias = alias[mem.host_base : mem.host_base + mem.nbytes]
+    return host_slab, device_mirror, slots, platform
 
 
 def typed_view(raw: torch.Tensor, dtype: torch.dtype, start: int, numel: int) -> torch.Tensor:

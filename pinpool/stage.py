@@ -1,26 +1,13 @@
-"""``Stage``: one claim of one ring slot, from open to close, whatever its placement.
+"""``Stage``: one claim of one ring slot, from open to close, whatever its placement (placement.py).
 
-Values are written into the slot's pinned host memory as they arrive, and the device
-views they will land in are handed back at once. Where they land is the stage's
-placement, fixed at open:
-
-- ``RING``: the slot's device mirror (``pool.stage()``): views rotate with the slot;
-- ``OWNED``: device memory the caller owns or the pool allocates (``owned=``);
-- ``BLOCK``: a fixed device block a CUDA graph captures (``DeviceBlock.stage``);
-- ``IN_PLACE``: the pinned slot itself, read over UVA (``zero_copy=True``): no copy.
-
-One lifecycle: ``OPEN`` (puts) -> ``FLUSHED`` (the one copy issued; kernels may be
-launched) -> ``CLOSED`` (the slot's fence recorded), or ``ABORTED``. The ring decides at
-close what the fence must follow (``PinnedRingBuffer._finish``).
+Values go into the slot's pinned bytes as they arrive; their device views are handed back at once.
+One lifecycle: ``OPEN`` (puts) -> ``FLUSHED`` (the copy issued) -> ``CLOSED`` (the fence recorded), or ``ABORTED``.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import struct
-from collections.abc import Mapping
-from types import TracebackType
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,38 +16,19 @@ import torch
 from pinpool.encode import NUMPY_DTYPE, PACKERS, as_source, check_dtype, int_in_range, packer_for, write
 from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
 from pinpool.layout import LANDING_ITEMSIZE, VIEW_LIFETIME, HostImage, Layout, align_up, landing_itemsize
-from pinpool.layout_step import LayoutStep, no_layout
+from pinpool.layout_step import LayoutStep, landing_index, no_layout
+from pinpool.placement import ABORTED, CLOSED, FLUSHED, IN_PLACE, OPEN, OWNED, RING, BlockSide, Placement, State
 from pinpool.readback import Landing, Readback, SlotReads
-from pinpool.slot import Placed, SlotMemory, typed_view
+from pinpool.slot import SlotMemory, typed_view
 from pinpool.transport import Stream
 
+#: ``Placement`` and ``State`` are read from here too (their home is placement.py).
+__all__ = ["Placement", "RingSide", "Stage", "State"]
 _ITEMSIZE = {d: d.itemsize for d in [*NUMPY_DTYPE, torch.bfloat16]}
-LAND_WITHOUT_FLUSH = (
-    "a stage with landings needs flush() before close: the writer is launched between the two, after the "
-    "copy that carries its addresses; the stage was aborted and nothing was copied"
-)
-
-
-class Placement(enum.Enum):
-    RING = "ring"
-    OWNED = "owned"
-    BLOCK = "block"
-    IN_PLACE = "in place"
-
-
-class State(enum.Enum):
-    OPEN = "open"
-    FLUSHED = "flushed"
-    CLOSED = "closed"
-    ABORTED = "aborted"
-
-
-OPEN, FLUSHED, CLOSED, ABORTED = State.OPEN, State.FLUSHED, State.CLOSED, State.ABORTED
-RING, OWNED, BLOCK, IN_PLACE = Placement.RING, Placement.OWNED, Placement.BLOCK, Placement.IN_PLACE
 
 
 class RingSide(SlotReads, Protocol):
-    """What a stage asks of its ring: private to the package (``PinnedRingBuffer`` is the one implementation)."""
+    """What a stage asks of its ring (``SlotRing``, the package's side of ``PinnedRingBuffer``)."""
 
     @property
     def settings(self) -> Any: ...
@@ -77,15 +45,6 @@ class RingSide(SlotReads, Protocol):
     can_land: bool
 
 
-class BlockSide(Protocol):
-    """What a ``BLOCK`` stage asks of its ``DeviceBlock`` around the copy."""
-
-    def before_copy(self, stream: Stream) -> None: ...
-    def after_copy(self, stream: Stream) -> None: ...
-    def wait_for_readers(self, stream: Stream) -> None: ...
-    def views(self, rows: int) -> Mapping[str, torch.Tensor]: ...
-
-
 class Stage:
     """An open claim of one slot: ``put`` / ``reserve`` values, then one copy (``flush`` or exit).
 
@@ -97,9 +56,8 @@ class Stage:
             host[:] = 7
         # exit: one copy of the used bytes on ``st.stream``, then the slot's fence
 
-    With a layout (``pool.stage(layout, rows=...)`` or ``DeviceBlock.stage``), ``put(name,
-    values)`` writes a field's live rows, ``views`` holds every field's device view and
-    ``landing(name)`` reads a landing field's results after close.
+    With a layout, ``put(name, values)`` writes a field's live rows, ``views`` holds each field's
+    device view and ``landing(name)`` reads a landing field's results after close.
     """
 
     __slots__ = (
@@ -170,9 +128,7 @@ class Stage:
     def __enter__(self) -> Stage:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         self.close(ok=exc_type is None)
 
     def flush(self) -> None:
@@ -190,7 +146,10 @@ class Stage:
                 # The copy would carry live addresses that a kernel launched after close
                 # could still store through, past the slot's fence: abort instead.
                 self.close(ok=False)
-                raise PoolStateError(LAND_WITHOUT_FLUSH)
+                raise PoolStateError(
+                    "a stage with landings needs flush() before close: the writer is launched between the two, "
+                    "after the copy that carries its addresses; the stage was aborted and nothing was copied"
+                )
             try:
                 self._issue()  # raises, the stage aborted, when a layout field was not written
             except BaseException:
@@ -225,8 +184,7 @@ class Stage:
 
     @property
     def is_live(self) -> bool:
-        """Whether the device views hold this stage's values for a kernel queued now: not before the
-        copy is issued, not once the slot was recycled (ring), not after close (in place)."""
+        """Whether a kernel queued now reads this stage's values: after the copy, before recycling or close."""
         if self.placement is IN_PLACE:
             return self.is_open and self._mem.generation == self.generation
         if self.state is OPEN:
@@ -252,9 +210,8 @@ class Stage:
     def put(self, values: Any, dtype: Any = None, *, name: str = "values") -> Any:
         """Write ``values`` into the slot; return the device tensor they will land in.
 
-        Accepts lists, tuples and scalars (``dtype`` required), numpy arrays, CPU tensors and
-        bytes-like objects, converted exactly or refused with a typed error before the
-        stage advances. With a layout, ``put("field", values)`` writes that field's live rows.
+        Lists, tuples and scalars (``dtype`` required), numpy arrays, CPU tensors and bytes-like
+        objects, converted exactly or refused, typed, before the stage advances.
         """
         if self.state is not OPEN:
             self._check_open()
@@ -298,10 +255,7 @@ class Stage:
     def reserve(
         self, numel: int, dtype: torch.dtype, *, name: str = "values"
     ) -> tuple[np.ndarray[Any, Any], torch.Tensor]:
-        """Claim ``numel`` elements: (numpy host view to fill in place before the copy, device view).
-
-        For callers that pack records themselves; numpy dtypes only; never spills.
-        """
+        """Claim ``numel`` elements: (numpy host view to fill before the copy, device view); never spills."""
         if self.state is not OPEN:
             self._check_open()
         target = check_dtype(dtype, name)
@@ -317,13 +271,10 @@ class Stage:
         return host, self._advance(start, target, numel, nbytes)
 
     def land(self, numel: int, dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, Landing]:
-        """Have a kernel store ``numel`` values straight into this slot: (int64 device addresses, handle).
+        """Have a kernel store ``numel`` values into this slot's end: (int64 device addresses, handle).
 
-        The values' bytes are claimed at the slot's end (outside the copy); their pinned
-        addresses go in the copy. Pass that view to the writer (``pinpool.landing.land``, the
-        sampler's ``land_to``) and launch it after ``flush`` and before close, on the stage's
-        stream or a registered consumer; the handle reads the values after a successful
-        close. Needs ``PoolSettings(zero_copy=True)``.
+        Launch the writer (``pinpool.landing.land``) after ``flush`` and before close, on the stage's
+        stream or a registered consumer; read the handle after a successful close.
         """
         if self.state is not OPEN:
             self._check_open()
@@ -348,11 +299,7 @@ class Stage:
         return addresses, handle
 
     def readback(self, src: torch.Tensor) -> Readback:
-        """Copy device tensor ``src`` back into this stage's slot, under the slot's fence; flushes first.
-
-        Launch every kernel that reads the stage before it; nothing can be put after it. Read
-        the handle within ``VIEW_LIFETIME``.
-        """
+        """Copy device tensor ``src`` back into this slot under its fence (flushes first; launch readers before)."""
         if not self.is_open:
             self._check_open()
         offset = align_up(self._cursor, self._mem.alignment)
@@ -381,18 +328,9 @@ class Stage:
     # -- layout ------------------------------------------------------------------------
     def open_layout(self, layout: Layout, rows: int, live: int) -> None:
         """Claim ``layout`` for ``rows`` rows, ``live`` of them real, and its landings (the ring checked the counts)."""
-        mem, dst, keep = self._mem, self.dst, self.placement is not OWNED  # an owned buffer may differ next time
-        key = ("layout", id(layout), id(dst), rows)  # ids: the entry holds both, so neither id is reused
-        placed = mem.views.get(key) if keep else None
-        if placed is None:
-            placed = Placed(layout, rows, mem, dst, self._block.views(rows) if self._block is not None else None)
-            if placed.nbytes > self.capacity:
-                raise CapacityError(
-                    f"a layout of {rows} rows needs {placed.nbytes} bytes but the stage has {self.capacity}; "
-                    "raise PoolSettings.slot_bytes or lower max_rows"
-                )
-            if keep:
-                mem.views.put(key, placed)
+        mem = self._mem
+        block_views = self._block.views if self._block is not None else None
+        placed = mem.placed(layout, rows, self.dst, block_views, self.capacity, keep=self.placement is not OWNED)
         self._step = step = LayoutStep(layout, rows, live, mem, placed)
         self.used_bytes, self._cursor = placed.nbytes, placed.cursor
         for i, at, dtype in placed.landings:
@@ -422,9 +360,7 @@ class Stage:
 
     def landing(self, name: str) -> Landing:
         """The handle that reads landing field ``name``'s values after a successful close."""
-        if self._step is None:
-            raise StagingValueError(f"'name' must be a landing field of this stage's layout (got {name!r})")
-        return self._landings[self._step.landing_index(name)]
+        return self._landings[landing_index(self._step, name)]
 
     # -- internals ---------------------------------------------------------------------
     def _advance(self, start: int, dtype: torch.dtype, numel: int, nbytes: int) -> torch.Tensor:
