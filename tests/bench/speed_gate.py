@@ -76,8 +76,9 @@ def _load(paths: str, best: bool = False) -> dict[str, dict[str, Any]]:
                     [cell.get("median")] + [_median(o.get(column)) for o in others] if isinstance(cell, dict) else []
                 )
                 if values and all(v for v in values):
+                    nums = [float(v) for v in values if v]
                     pick = (max if "tokens/s" in column else min) if best else None
-                    cell["median"] = pick(values) if pick else sum(values) / len(values)
+                    cell["median"] = pick(nums) if pick else sum(nums) / len(nums)
     return merged
 
 
@@ -113,7 +114,8 @@ def named(title: str, row: dict[str, Any], column: str) -> bool:
         return column == "pool µs" and row.get("bs") in (1, 256, 4096)
     if title.startswith("zero-copy"):
         return column == "zero-copy µs" and row.get("bs") in (1, 64, 256)
-    if title.startswith("graph decode: host-bound") and title.split(", ")[-1] in ("1 running", "16 running", "64 running"):
+    running = title.split(", ")[-1]
+    if title.startswith("graph decode: host-bound") and running in ("1 running", "16 running", "64 running"):
         return row.get("mode") == "pool+graph" and column in ("host µs", "tokens/s")
     return False
 
