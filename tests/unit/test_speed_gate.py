@@ -1,0 +1,80 @@
+"""The speed gate's compare (tests/bench/speed_gate.py): the figures it prints decide issue 26's gate."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "bench" / "speed_gate.py"
+
+
+def _gate() -> Any:
+    spec = importlib.util.spec_from_file_location("speed_gate_under_test", _PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(path: Path, pool_us: float, pinned_us: float, graph_host_us: float, graph_tok: float) -> str:
+    tables = [
+        {
+            "title": "staging: host µs per stage",
+            "rows": [{"bs": 1, "pinned µs": {"median": pinned_us}, "pool µs": {"median": pool_us}}],
+        },
+        {
+            "title": "graph decode: host-bound, 16 running",
+            "rows": [
+                {"mode": "pinned+graph", "host µs": {"median": 100.0}, "tokens/s": {"median": 1000.0}},
+                {"mode": "pool+graph", "host µs": {"median": graph_host_us}, "tokens/s": {"median": graph_tok}},
+            ],
+        },
+    ]
+    path.write_text(json.dumps({"tables": tables}))
+    return str(path)
+
+
+def _gate_line(out: str) -> tuple[float, float]:
+    line = next(x for x in out.splitlines() if x.startswith("GATE"))
+    worst, named = line.split("new/old ")[1].split(" ")[0], line.rsplit(" ", 1)[1]
+    return float(worst), float(named)
+
+
+def test_best_takes_each_trees_best_run_and_mean_takes_their_average(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One disturbed run of the new tree (twice the µs) fails the mean and passes the best."""
+    gate = _gate()
+    old = ",".join(_run(tmp_path / f"old{i}.json", 10.0, 20.0, 50.0, 2000.0) for i in (1, 2))
+    new = ",".join(
+        [
+            _run(tmp_path / "new1.json", 10.0, 20.0, 50.0, 2000.0),
+            _run(tmp_path / "new2.json", 20.0, 40.0, 100.0, 1000.0),
+        ]
+    )
+    gate.compare(old, new)
+    worst_mean, named_mean = _gate_line(capsys.readouterr().out)
+    assert named_mean == pytest.approx(1.5)  # (10 + 20) / 2 over 10; (50 + 100) / 2 over 50; tokens 2000 / 1500 = 1.33
+    gate.compare(old, new, best=True)
+    assert _gate_line(capsys.readouterr().out)[1] == pytest.approx(1.0)
+    assert worst_mean >= named_mean
+
+
+def test_only_the_issues_figures_are_marked_and_a_regression_there_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """pool µs at bs 1 and pool+graph host µs are named; a slower pinned mode is printed but not gated."""
+    gate = _gate()
+    old = _run(tmp_path / "old.json", 10.0, 20.0, 50.0, 2000.0)
+    gate.compare(old, _run(tmp_path / "slower_peer.json", 10.0, 60.0, 50.0, 2000.0))
+    out = capsys.readouterr().out
+    assert "pinned µs 3.00 >1.10;" in out and "pool µs 1.00 [gate]" in out
+    assert _gate_line(out) == (pytest.approx(3.0), pytest.approx(1.0))
+    gate.compare(old, _run(tmp_path / "slower_pool.json", 10.0, 20.0, 60.0, 2000.0))
+    assert _gate_line(capsys.readouterr().out)[1] == pytest.approx(1.2)
