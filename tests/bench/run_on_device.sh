@@ -36,19 +36,23 @@ if [ -n "${PINPOOL_GATE:-}" ] && [ -d .old/pinpool ]; then
   # The small core's speed gate: the same workloads on the carried earlier tree, then on this one.
   gw=${PINPOOL_GATE_WORKLOADS:-staging,zero_copy,decode,sampling_sglang,memcache_sglang}
   # old, new, new, old: the order cancels a drift between a machine's first and later runs.
-  for run in old1:.old new1:. new2:. old2:.old; do
-    box "${PINPOOL_GATE_BOX:-150}" python3 tests/bench/speed_gate.py run --tree "${run#*:}" --workloads "$gw" \
-      --json "$LOGS/gate_${run%%:*}.json" >"$LOGS/gate_${run%%:*}.txt" 2>&1
+  # PINPOOL_GATE_ORDER="old1 new1 old2 new2 old3 new3" runs more pairs (run i of each tree is a pair).
+  olds=() news=()
+  for run in ${PINPOOL_GATE_ORDER:-old1 new1 new2 old2}; do
+    tree=.; [[ $run == old* ]] && tree=.old
+    box "${PINPOOL_GATE_BOX:-150}" python3 tests/bench/speed_gate.py run --tree "$tree" --workloads "$gw" \
+      --json "$LOGS/gate_$run.json" >"$LOGS/gate_$run.txt" 2>&1
+    if [[ $run == old* ]]; then olds+=("$LOGS/gate_$run.json"); else news+=("$LOGS/gate_$run.json"); fi
   done
-  python3 tests/bench/speed_gate.py compare "$LOGS/gate_old1.json,$LOGS/gate_old2.json" \
-    "$LOGS/gate_new1.json,$LOGS/gate_new2.json" | tee "$OUT/gate.txt" | tail -3
-  # Against a peer measured in the same process (a machine's runs drift apart by up to 1.7x).
-  python3 tests/bench/speed_gate.py compare "$LOGS/gate_old1.json,$LOGS/gate_old2.json" \
-    "$LOGS/gate_new1.json,$LOGS/gate_new2.json" --normalise >"$OUT/gate_normalised.txt" 2>&1
+  old_list=$(IFS=,; echo "${olds[*]}") new_list=$(IFS=,; echo "${news[*]}")
+  python3 tests/bench/speed_gate.py compare "$old_list" "$new_list" | tee "$OUT/gate.txt" | tail -3
+  # Against a peer measured in the same process (a machine's runs drift apart by up to 1.8x).
+  python3 tests/bench/speed_gate.py compare "$old_list" "$new_list" --normalise >"$OUT/gate_normalised.txt" 2>&1
   # Each tree's best run per figure: a run the machine disturbed is only ever slower.
-  python3 tests/bench/speed_gate.py compare "$LOGS/gate_old1.json,$LOGS/gate_old2.json" \
-    "$LOGS/gate_new1.json,$LOGS/gate_new2.json" --best >"$OUT/gate_best.txt" 2>&1
-  gate_line="$(grep -h '^GATE' "$OUT/gate.txt") | normalised: $(grep -h '^GATE' "$OUT/gate_normalised.txt") | best: $(grep -h '^GATE' "$OUT/gate_best.txt")"
+  python3 tests/bench/speed_gate.py compare "$old_list" "$new_list" --best >"$OUT/gate_best.txt" 2>&1
+  # Run i of each tree against the other's run i, normalised, the median over the pairs.
+  python3 tests/bench/speed_gate.py compare "$old_list" "$new_list" --paired --normalise >"$OUT/gate_paired.txt" 2>&1
+  gate_line="$(grep -h '^GATE' "$OUT/gate.txt") | normalised: $(grep -h '^GATE' "$OUT/gate_normalised.txt") | best: $(grep -h '^GATE' "$OUT/gate_best.txt") | paired: $(grep -h '^GATE' "$OUT/gate_paired.txt")"
 fi
 serve_rc=skipped
 # PINPOOL_SERVE_RUNS="GPU-bound:light:512:240 host-bound:medium:384:120": each serve table in a

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,46 @@ def _eager_staging(tables: dict[str, Any]) -> str:
     return "; ".join(out)
 
 
+def _ratios(old: dict[str, Any], new: dict[str, Any]) -> dict[tuple[Any, ...], float]:
+    """new ÷ old (old ÷ new for tokens/s) of every µs and tokens/s figure both runs have, by (title, row, column)."""
+    out = {}
+    for title, table in new.items():
+        earlier = {_key(r): r for r in old.get(title, {}).get("rows", [])}
+        for row in table["rows"]:
+            match = earlier.get(_key(row))
+            for column, value in row.items() if match is not None else ():
+                a, b = _median(match.get(column)), _median(value)  # type: ignore[union-attr]
+                if a and b and ("µs" in column or "tokens/s" in column):
+                    out[(title, _key(row), column)] = b / a if "µs" in column else a / b
+    return out
+
+
+def compare_paired(old_paths: str, new_paths: str, normalise: bool = False) -> None:
+    """Run i of the new tree against run i of the old (run back to back, so a drift of the machine
+    between pairs cancels): each named figure's median over the pairs."""
+    olds, news = old_paths.split(","), new_paths.split(",")
+    if len(olds) != len(news):
+        raise SystemExit(f"--paired needs as many old runs as new ones (got {len(olds)} and {len(news)})")
+    pairs = []
+    for a, b in zip(olds, news, strict=True):
+        old, new = _load(a), _load(b)
+        if normalise:
+            old, new = ({t: _normalised(v) for t, v in x.items()} for x in (old, new))
+        pairs.append(_ratios(old, new))
+    gated = 0.0
+    how = ", normalised" if normalise else ""
+    print(f"(paired: {len(pairs)} pairs{how}; each named figure's ratio in each pair, then their median)")
+    for key in pairs[0]:
+        title, row_key, column = key
+        if named(title, dict(row_key), column) and all(key in p for p in pairs):
+            ratios = sorted(p[key] for p in pairs)
+            median = statistics.median(ratios)
+            gated = max(gated, median)
+            where = " ".join(f"{k}={v}" for k, v in row_key)
+            print(f"  {title} | {where} | {column}: {' '.join(f'{r:.2f}' for r in ratios)} -> {median:.2f}")
+    print(f"GATE paired median, worst named figure {gated:.2f} (gate 1.10)")
+
+
 def compare(old_paths: str, new_paths: str, normalise: bool = False, best: bool = False) -> None:
     old, new = _load(old_paths, best), _load(new_paths, best)
     if best:
@@ -179,10 +220,14 @@ def main() -> int:
     c.add_argument("new", help="this tree's JSON, or several comma-separated")
     c.add_argument("--normalise", action="store_true", help="divide by a same-run peer first (see REFERENCE_COLUMNS)")
     c.add_argument("--best", action="store_true", help="each tree's best run per figure, not the mean")
+    c.add_argument("--paired", action="store_true", help="old run i against new run i, the median over the pairs")
     args = parser.parse_args()
     if args.cmd == "run":
         return run(args.tree, args.workloads.split(","), args.json, args.repeats)
-    compare(args.old, args.new, args.normalise, args.best)
+    if args.paired:
+        compare_paired(args.old, args.new, args.normalise)
+    else:
+        compare(args.old, args.new, args.normalise, args.best)
     return 0
 
 

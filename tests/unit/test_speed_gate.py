@@ -78,3 +78,21 @@ def test_only_the_issues_figures_are_marked_and_a_regression_there_fails(
     assert _gate_line(out) == (pytest.approx(3.0), pytest.approx(1.0))
     gate.compare(old, _run(tmp_path / "slower_pool.json", 10.0, 20.0, 60.0, 2000.0))
     assert _gate_line(capsys.readouterr().out)[1] == pytest.approx(1.2)
+
+
+def test_paired_takes_the_median_of_each_pairs_ratio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Pairs on a fast and a ten-times slower machine weigh the same: 1.2 and 1.0 give 1.1, where the
+    ratio of the trees' means (112 / 110) would hide the fast pair's 20%."""
+    gate = _gate()
+    old = ",".join(
+        [_run(tmp_path / "o1.json", 10.0, 20.0, 50.0, 2000.0), _run(tmp_path / "o2.json", 100.0, 200.0, 50.0, 2000.0)]
+    )
+    new = ",".join(
+        [_run(tmp_path / "n1.json", 12.0, 20.0, 50.0, 2000.0), _run(tmp_path / "n2.json", 100.0, 200.0, 50.0, 2000.0)]
+    )
+    gate.compare_paired(old, new)
+    assert capsys.readouterr().out.splitlines()[-1].endswith("figure 1.10 (gate 1.10)")
+    gate.compare(old, new)
+    assert _gate_line(capsys.readouterr().out)[1] == pytest.approx(112 / 110, abs=0.005)  # printed to 2 places
+    with pytest.raises(SystemExit, match="as many old runs"):
+        gate.compare_paired(old, str(tmp_path / "n1.json"))
