@@ -18,7 +18,7 @@ The only repeats are the one chunked-prefill request a scheduler carries from ba
 batch (``Scheduler.chunked_req``) and retracted requests coming back. A model of sglang's
 admission (``tests/bench/diag_repeats.py``) puts them at 0.3-0.6% of the objects read with
 8192-token chunks, 10-16% with 2048, plus up to 6% retracted ones under a tight KV pool:
-at most one chunked request per batch (most often alone in it), at most five repeats. A
+at most one chunked request per batch (often alone in it), at most five repeats. A
 cache keyed by object would pay its bookkeeping on every miss to save those few.
 
 How a batch is read: one pass per field over the params objects (``map`` with an
