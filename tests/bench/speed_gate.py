@@ -10,7 +10,11 @@ slower: the order cancels a drift)::
 that tree: the reference engine was top-level ``engine`` before it moved under
 ``pinpool.bench``) in a fresh process, so the two trees never share a module. ``compare``
 prints new ÷ old for every µs median of every row that both runs have (lower is better),
-and old ÷ new for tokens/s; ``>1.10`` marks a figure past the gate.
+and old ÷ new for tokens/s; ``>1.10`` marks a figure past the gate and ``[gate]`` the figures
+the issue names. Each tree's runs are averaged; ``--best`` takes each tree's best run instead,
+``--normalise`` divides each figure by a peer of the same run first, and ``--paired`` takes
+run i of each tree as a pair (run back to back) and the median of the pairs' ratios: on a
+machine whose speed drifts between runs, the normalised paired figure is the steadiest.
 """
 
 from __future__ import annotations
