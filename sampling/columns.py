@@ -89,25 +89,14 @@ def ring_views(block: torch.Tensor, bs: int, pool: PinnedRingBuffer) -> tuple[Pa
     return hit
 
 
-def select(block: torch.Tensor, bs: int, keep: torch.Tensor) -> torch.Tensor:
-    """A new block of the rows ``keep`` (int64 [k] on the device): two gathers, no host read."""
-    # Each operand is one strided view (``as_strided``) rather than a slice and a reshape,
-    # which measured several times dearer for these small tensors. An explicit ``as_strided``
-    # offset counts from the storage's start, and a ring block starts inside its slot: hence
-    # the blocks' own offsets.
-    k = keep.shape[0]
-    out = block.new_empty(COLUMN_WORDS * k)  # same dtype and device, without building a device object
-    torch.index_select(block.as_strided((4, bs), (bs, 1)), 1, keep, out=out.as_strided((4, k), (k, 1)))
-    wide, out_wide = block.view(torch.int64), out.view(torch.int64)
-    seeds = wide.as_strided((bs,), (1,), wide.storage_offset() + 2 * bs)
-    torch.index_select(seeds, 0, keep, out=out_wide.as_strided((k,), (1,), 2 * k))
-    return out
-
-
 def select_parts(block: torch.Tensor, parts: Parts, bs: int, keep: torch.Tensor) -> tuple[torch.Tensor, Parts, Columns]:
-    """``select``, given the block's ``Parts`` too: (the new block, its parts, its views). The new
-    block is cut first, and the seeds gathered straight into their int64 view (a 1-D int64
-    gather: half the cost of gathering them as int32 word pairs)."""
+    """A new block of the rows ``keep`` (int64 [k] on the device), given the block's ``Parts``: (the
+    new block, its parts, its views); two gathers, no host read. The new block is cut first, and
+    the seeds gathered straight into their int64 view (a 1-D int64 gather: half the cost of
+    gathering them as int32 word pairs)."""
+    # The four 32-bit rows as one strided view (``as_strided``, at the block's own storage
+    # offset: a ring block starts inside its slot) rather than a slice and a reshape, which
+    # measured several times dearer for these small tensors.
     k = keep.shape[0]
     out = block.new_empty(COLUMN_WORDS * k)  # same dtype and device, without building a device object
     new_parts, new_views = parts_and_views(out, k)
@@ -116,17 +105,7 @@ def select_parts(block: torch.Tensor, parts: Parts, bs: int, keep: torch.Tensor)
     return out, new_parts, new_views
 
 
-def concat(a: torch.Tensor, a_bs: int, b: torch.Tensor, b_bs: int) -> torch.Tensor:
-    """A new block of a's rows followed by b's: two joins (the four 32-bit rows side by side, then
-    the seeds, which are already in order as 32-bit word pairs)."""
-    quad = torch.cat((a.as_strided((4, a_bs), (a_bs, 1)), b.as_strided((4, b_bs), (b_bs, 1))), 1)
-    # Offsets count from the storage's start (see ``select``).
-    a_seeds = a.as_strided((2 * a_bs,), (1,), a.storage_offset() + 4 * a_bs)
-    b_seeds = b.as_strided((2 * b_bs,), (1,), b.storage_offset() + 4 * b_bs)
-    return torch.cat((quad.view(-1), a_seeds, b_seeds))
-
-
 def concat_parts(a: Parts, b: Parts) -> torch.Tensor:
-    """``concat`` of two blocks given as their ``Parts``: one join of the ten pieces, each column's
-    rows of a then of b."""
+    """A new block of a's rows followed by b's, given as their ``Parts``: one join of the ten pieces,
+    each column's rows of a then of b."""
     return torch.cat((a[0], b[0], a[1], b[1], a[2], b[2], a[3], b[3], a[4], b[4]))

@@ -1,4 +1,4 @@
-"""The column block's row edits (``sampling.columns``): ``select`` and ``concat``."""
+"""The column block's row edits (``sampling.columns``): ``select_parts`` and ``concat_parts``."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_select_takes_each_columns_rows_from_a_block_inside_its_storage(bs: int,
     starts inside its slot), or mixes the seed words of two rows."""
     block = _inside(_random_block(bs, bs), offset)
     keep = torch.tensor([bs - 1, 0, *range(0, bs, 3), bs - 1], dtype=torch.int64)
-    out = columns.select(block, bs, keep)
+    out = columns.select_parts(block, columns.parts_and_views(block, bs)[0], bs, keep)[0]
     assert out.shape == (columns.COLUMN_WORDS * len(keep),)
     for got, src in zip(columns.views(out, len(keep)), columns.views(block, bs), strict=True):
         assert torch.equal(_bits(got), _bits(src[keep]))
@@ -44,21 +44,19 @@ def test_concat_appends_each_column_from_blocks_inside_their_storage(a_bs: int, 
     """Catches a join that reads a block from its storage's start, or interleaves the seed words wrongly."""
     a = _inside(_random_block(a_bs, 1), 10)
     b = _inside(_random_block(b_bs, 2), 4)
-    out = columns.concat(a, a_bs, b, b_bs)
+    out = columns.concat_parts(columns.parts_and_views(a, a_bs)[0], columns.parts_and_views(b, b_bs)[0])
     for got, x, y in zip(columns.views(out, a_bs + b_bs), columns.views(a, a_bs), columns.views(b, b_bs), strict=True):
         assert torch.equal(_bits(got), _bits(torch.cat((x, y))))
 
 
 @pytest.mark.parametrize("offset", [0, 2, 1026])
 @pytest.mark.parametrize("bs", [1, 5, 999])
-def test_select_parts_equals_select_and_cuts_its_block(bs: int, offset: int) -> None:
-    """Catches the parts-based gather (filter_batch's) drifting from ``select``, or returning pieces
-    and views that are not those of its new block."""
+def test_select_parts_hands_back_its_new_blocks_pieces_and_views(bs: int, offset: int) -> None:
+    """Catches the gather (filter_batch's) returning pieces and views that are not those of its new block."""
     block = _inside(_random_block(bs, bs), offset)
     parts = columns.parts_and_views(block, bs)[0]
     keep = torch.tensor([bs - 1, 0, *range(0, bs, 3), bs - 1], dtype=torch.int64)
     out, new_parts, new_views = columns.select_parts(block, parts, bs, keep)
-    assert torch.equal(out, columns.select(block, bs, keep))
     k = len(keep)
     want_parts, want_views = columns.parts_and_views(out, k)
     for got, want in zip((*new_parts, *new_views), (*want_parts, *want_views), strict=True):
@@ -68,12 +66,3 @@ def test_select_parts_equals_select_and_cuts_its_block(bs: int, offset: int) -> 
             want.dtype,
             want.stride(),
         )
-
-
-@pytest.mark.parametrize(("a_bs", "b_bs"), [(1, 1), (7, 4), (999, 0), (0, 3)])
-def test_concat_parts_equals_concat(a_bs: int, b_bs: int) -> None:
-    """Catches the join of the pieces (merge_batch's) ordering them unlike ``concat``."""
-    a = _inside(_random_block(a_bs, 1), 10)
-    b = _inside(_random_block(b_bs, 2), 4)
-    got = columns.concat_parts(columns.parts_and_views(a, a_bs)[0], columns.parts_and_views(b, b_bs)[0])
-    assert torch.equal(got, columns.concat(a, a_bs, b, b_bs))
