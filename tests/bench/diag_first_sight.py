@@ -39,9 +39,9 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def profile(label: str, fn: Callable[[], Any], calls: int = CALLS, warm: Callable[[], Any] | None = None) -> None:
+def profile(label: str, fn: Callable[[], Any], calls: int = CALLS) -> None:
     for _ in range(50):  # first launches load kernels and compile: not what a steady engine pays
-        (warm or fn)()
+        fn()
     sync()
     prof = cProfile.Profile()
     start = time.perf_counter()

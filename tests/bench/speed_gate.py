@@ -185,22 +185,18 @@ def compare(old_paths: str, new_paths: str, normalise: bool = False, best: bool 
         print("(normalised: each figure over the same run's pinned row or column, or vLLM's ring)")
         old = {t: _normalised(v) for t, v in old.items()}
         new = {t: _normalised(v) for t, v in new.items()}
+    ratios = _ratios(old, new)
     worst = gated = 0.0
     for title, table in new.items():
         if title not in old:
             continue
         print(f"== {title}")
-        earlier = {_key(r): r for r in old[title]["rows"]}
         for row in table["rows"]:
-            match = earlier.get(_key(row))
-            if match is None:
-                continue
             cells = []
-            for column, value in row.items():
-                a, b = _median(match.get(column)), _median(value)
-                if not a or not b or not ("µs" in column or "tokens/s" in column):
+            for column in row:
+                ratio = ratios.get((title, _key(row), column))
+                if ratio is None:
                     continue
-                ratio = b / a if "µs" in column else a / b
                 worst = max(worst, ratio)
                 mark = ""
                 if named(title, row, column):
