@@ -86,12 +86,20 @@ _FLAG_NE = np.array([[1.0], [1.0], [0.0], [float(TOP_K_ALL)]])
 #: 20 (no carry reaches bit 24) or past bit 31 (dropped).
 _FLAG_MAGIC = np.uint32((1 << 25) + (1 << 16) + (1 << 11) + (1 << 2))
 _GREEDY_BIT = np.uint32(1 << 24)
-#: The float rows of the grid (see ``_pack_vectorised``): their names and rules.
-_FLOAT_RULES = {
+#: The grid's rows (see ``_pack_vectorised``): their names and range rules, for both packers' errors.
+_RULES = {
     0: ("temperature", "must be finite, >= 0 and fit float32"),
     1: ("top_p", "must be in (0, 1]"),
+    2: ("top_k", "must be >= 1, or -1 for all tokens"),
     3: ("min_p", "must be in [0, 1]"),
 }
+
+
+def _out_of_range(row: int, i: int, value: Any) -> SamplingParamError:
+    """Request ``i``'s value of grid row ``row`` broke that row's range rule."""
+    name, rule = _RULES[row]
+    return SamplingParamError(f"'{name}' of request {i} {rule} (got {value!r})")
+
 
 #: Up to this many objects are packed one by one in Python (``_pack_small``): below it,
 #: numpy's fixed cost per operation (some 20 of them) outweighs Python's per request. On a
@@ -201,13 +209,13 @@ def _row_checked(i: int, raw: tuple[Any, ...]) -> tuple[tuple[Any, ...], Bias | 
     min_p = _scalar(i, "min_p", raw[3], False)
     seed = _scalar(i, "sampling_seed", raw[4], True)
     if not math.isfinite(temp) or not 0 <= temp <= F32_MAX:
-        raise SamplingParamError(f"'temperature' of request {i} must be finite, >= 0 and fit float32 (got {temp!r})")
+        raise _out_of_range(0, i, temp)
     if not 0 < top_p <= 1:
-        raise SamplingParamError(f"'top_p' of request {i} must be in (0, 1] (got {top_p!r})")
+        raise _out_of_range(1, i, top_p)
     if not 0 <= min_p <= 1:
-        raise SamplingParamError(f"'min_p' of request {i} must be in [0, 1] (got {min_p!r})")
+        raise _out_of_range(3, i, min_p)
     if top_k != -1 and not 1 <= top_k <= TOP_K_ALL:
-        raise SamplingParamError(f"'top_k' of request {i} must be >= 1, or -1 for all tokens (got {top_k!r})")
+        raise _out_of_range(2, i, top_k)
     bias = None if raw[5] is None else _bias(i, raw[5])
     if temp < GREEDY_EPS:
         temp, top_k = 1.0, 1
@@ -292,10 +300,9 @@ def _first_bad(grid: np.ndarray[Any, Any], top_k: list[Any]) -> SamplingParamErr
     bad = ~((grid >= _LO) & (grid <= _HI))
     row = next(r for r in (0, 1, 3, 2) if bad[r].any())
     i = int(np.flatnonzero(bad[row])[0])
-    if row == 2:  # the int as given, not its double
-        return SamplingParamError(f"'top_k' of request {i} must be >= 1, or -1 for all tokens (got {top_k[i]})")
-    name, rule = _FLOAT_RULES[row]
-    return SamplingParamError(f"'{name}' of request {i} {rule} (got {grid[row, i].item()!r})")  # sync-ok: numpy
+    # top_k: the int as given, not its double; .item() reads a numpy host array
+    value = top_k[i] if row == 2 else grid[row, i].item()  # sync-ok: numpy
+    return _out_of_range(row, i, value)
 
 
 def _grid_checked(
