@@ -114,8 +114,7 @@ class _DeviceBatch:
         cols = sampling_columns(records)
         # As lists: the per-field pattern builds each tensor from Python values (torch cannot
         # pin a tensor made from a numpy array).
-        # sync-ok: numpy arrays on the host, no device
-        fields += [(cols[name].tolist(), _TORCH_DTYPE.get(name, torch.int64)) for name in _SAMPLING]
+        fields += [(cols[n].tolist(), _TORCH_DTYPE.get(n, torch.int64)) for n in _SAMPLING]  # sync-ok: numpy, host
         uploaded = up.upload("batch", fields)
         self.rows, self.positions = uploaded[0], uploaded[1]
         self.sampling = dict(zip(_SAMPLING, uploaded[2:], strict=True))

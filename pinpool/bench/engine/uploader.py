@@ -1,6 +1,6 @@
 """The four ways a host-to-device staging site can run, behind one call.
 
-- ``sync``: ``torch.tensor(list, device=)`` per field (a pageable copy and a stream sync);
+- ``sync``: a device tensor made from the list per field (a pageable copy and a stream sync);
 - ``pinned``: per field ``torch.tensor(list, pin_memory=True).to(non_blocking=True)``
   (sglang PR #28076): no sync, a pinned allocation and a copy per field;
 - ``persistent``: one persistent pinned buffer per field and site, one event wait per
@@ -52,8 +52,8 @@ class Uploader:
             with self.pool.stage() as st:
                 return [st.put(values, dtype) for values, dtype in fields]
         if self.mode == "sync":
-            # sync-ok: the synchronous mode under comparison, a pageable copy and a stream sync per field
-            return [torch.tensor(values, dtype=dtype, device=self.device) for values, dtype in fields]
+            # The synchronous mode under comparison: a pageable copy and a stream sync per field.
+            return [torch.tensor(v, dtype=d, device=self.device) for v, d in fields]  # sync-ok: the mode compared
         if self.mode == "pinned":
             return [
                 torch.tensor(values, dtype=dtype, pin_memory=self._pin).to(self.device, non_blocking=True)
