@@ -69,3 +69,6 @@ CAPTURE_REFUSAL = (
     "every replay reading or writing the slot after the ring has reused it; stage before the "
     "capture or between replays, and give the graph a DeviceBlock's views (fixed addresses)"
 )
+
+#: How to make a value fit that did not: the end of every ``CapacityError`` a put or reserve raises.
+CAPACITY_FIX = "raise PoolSettings.slot_bytes (PINPOOL_SLOT_BYTES) or pass overflow='spill'"

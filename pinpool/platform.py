@@ -8,10 +8,6 @@ read garbage with no error. A failed check refuses zero-copy stages; copy stages
 
 from __future__ import annotations
 
-import ctypes
-import os
-import platform as _os_platform
-from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,8 +19,6 @@ from pinpool.exceptions import PlatformError, PoolStateError
 #: GPU sleeps (cycles) queued ahead of the probe's read kernel, so that the host write lands first.
 _PROBE_SLEEP_CYCLES = (10_000_000, 100_000_000)
 _PROBE_BYTES = 64
-#: ``move_pages`` syscall numbers (asks the kernel which node holds a page, cheaply).
-_MOVE_PAGES_NR = {"x86_64": 279, "aarch64": 239}
 
 
 @attrs.frozen
@@ -37,30 +31,16 @@ class PlatformReport:
     pinned: bool | None = None
     alias_is_host_address: bool | None = None  # the device view is the slab's own address, not a copy
     kernel_sees_host_writes: bool | None = None  # a kernel queued before a host write read the new bytes
-    slab_numa_node: int | None = None
-    gpu_numa_node: int | None = None
 
     @classmethod
     def unchecked(cls) -> PlatformReport:
         return cls(checked=False, zero_copy_ok=False, reason="not checked: PoolSettings.zero_copy is False")
 
-    @property
-    def numa_local(self) -> bool | None:
-        """Slab and GPU on one NUMA node (PCIe reads stay local), where both are known."""
-        if self.slab_numa_node is None or self.gpu_numa_node is None:
-            return None
-        return self.slab_numa_node == self.gpu_numa_node
-
     def log_fields(self) -> dict[str, Any]:
         """The fields ``pool.created`` logs."""
         if not self.checked:
             return {"zero_copy": "off"}
-        return {
-            "zero_copy": "ok" if self.zero_copy_ok else "refused",
-            "zero_copy_reason": self.reason,
-            "slab_numa_node": self.slab_numa_node,
-            "gpu_numa_node": self.gpu_numa_node,
-        }
+        return {"zero_copy": "ok" if self.zero_copy_ok else "refused", "zero_copy_reason": self.reason}
 
     def refusal(self, device: torch.device) -> Exception:
         """The error a stage whose kernels read or write the slots in place (zero-copy, landings) raises."""
@@ -99,10 +79,7 @@ def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def check_cuda(host_slab: torch.Tensor, device: torch.device) -> tuple[PlatformReport, torch.Tensor | None]:
     """Run the check on a CUDA pool's slab; returns the report and, when it passed, the slab's alias."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    found: dict[str, Any] = {
-        "slab_numa_node": host_numa_node(host_slab.data_ptr()),
-        "gpu_numa_node": gpu_numa_node(index),
-    }
+    found: dict[str, Any] = {}
 
     def done(reason: str, alias: torch.Tensor | None = None) -> tuple[PlatformReport, torch.Tensor | None]:
         return PlatformReport(checked=True, zero_copy_ok=alias is not None, reason=reason, **found), alias
@@ -175,70 +152,3 @@ def kernel_write_reaches_host(host: torch.Tensor, alias: torch.Tensor, index: in
     ok = bool((host_np == want).all())
     host_np[:] = 0
     return ok
-
-
-def gpu_numa_node(index: int) -> int | None:
-    """The NUMA node of GPU ``index`` from sysfs, via its PCI address; None where unknown."""
-    try:
-        props = torch.cuda.get_device_properties(index)
-        bus, dev = getattr(props, "pci_bus_id", None), getattr(props, "pci_device_id", None)
-        if bus is None or dev is None:
-            return None
-        domain = int(getattr(props, "pci_domain_id", 0))
-        return read_node_file(f"/sys/bus/pci/devices/{domain:04x}:{int(bus):02x}:{int(dev):02x}.0/numa_node")
-    except (RuntimeError, AssertionError, ValueError):
-        return None
-
-
-def read_node_file(path: str) -> int | None:
-    """A sysfs ``numa_node`` file as a node number; -1 (no affinity) or unreadable is None."""
-    try:
-        with open(path) as f:
-            node = int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-    return node if node >= 0 else None
-
-
-def host_numa_node(addr: int) -> int | None:
-    """The NUMA node of the page holding ``addr``: ``move_pages`` first, then ``/proc/self/numa_maps``."""
-    node = _node_by_move_pages(addr)
-    if node is not None:
-        return node
-    try:
-        with open("/proc/self/numa_maps") as f:
-            return node_from_numa_maps(f, addr)
-    except OSError:
-        return None
-
-
-def _node_by_move_pages(addr: int) -> int | None:
-    nr = _MOVE_PAGES_NR.get(_os_platform.machine())
-    if nr is None:
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        pages = (ctypes.c_void_p * 1)(addr - addr % os.sysconf("SC_PAGE_SIZE"))
-        status = (ctypes.c_int * 1)(-1)
-        rc = libc.syscall(ctypes.c_long(nr), 0, ctypes.c_ulong(1), pages, None, status, 0)  # nodes=NULL: query
-    except (OSError, AttributeError, ValueError):
-        return None
-    return int(status[0]) if rc == 0 and status[0] >= 0 else None
-
-
-def node_from_numa_maps(lines: Iterable[str], addr: int) -> int | None:
-    """The node holding most pages of ``addr``'s mapping; lines are sorted, so reading stops past it
-    (and the kernel walks no further through the process)."""
-    last: str | None = None
-    for line in lines:
-        if int(line.split(" ", 1)[0], 16) > addr:
-            break
-        last = line
-    if last is None:
-        return None
-    counts = {}
-    for field in last.split()[1:]:
-        key, _, value = field.partition("=")
-        if len(key) > 1 and key[0] == "N" and key[1:].isdigit() and value.isdigit():
-            counts[int(key[1:])] = int(value)
-    return max(counts, key=lambda n: counts[n]) if counts else None

@@ -15,23 +15,8 @@ import torch
 from pinpool.exceptions import SettingsError, SettingsTypeError, SettingsWarning
 
 ENV_PREFIX = "PINPOOL_"
-_DEVICE_SCRIPT_ENV = """PINPOOL_SOAK PINPOOL_SOAK_ARGS PINPOOL_DIAG PINPOOL_PROFILE PINPOOL_BOX_SCALE
-    PINPOOL_WORKLOADS PINPOOL_GRAPH PINPOOL_UNIT PINPOOL_BREAKDOWN PINPOOL_GATE PINPOOL_OLD_STREAMS
-    PINPOOL_SERVE PINPOOL_SERVE_BOX PINPOOL_SERVE_RUNS PINPOOL_SERVE_ROUNDS PINPOOL_SERVE_SOAK
-    PINPOOL_SERVE_SOAK_BOX PINPOOL_GATE_WORKLOADS PINPOOL_GATE_BOX PINPOOL_GATE_ORDER PINPOOL_GPU_TESTS
-    PINPOOL_GPU_BOX"""
-#: ``PINPOOL_*`` variables read elsewhere, and where: ``from_env`` warns about any other non-field name.
-OTHER_ENV = {
-    "PINPOOL_LOG_LEVEL": "the pinpool command line's log level (pinpool.bench.stderr_log)",
-    "PINPOOL_SETUP_DRY_RUN": "tests/run.py",
-    "PINPOOL_GRAPH_CONFIGS": "pinpool.bench.engine.graph_bench",
-    "PINPOOL_SERVE_CONFIGS": "pinpool.bench.engine.serve_bench",
-    "PINPOOL_SERVE_LOADS": "pinpool.bench.engine.serve_bench",
-    "PINPOOL_SERVE_REQUESTS": "pinpool.bench.engine.serve_bench",
-    "PINPOOL_SERVE_DTYPE": "pinpool.bench.engine.serve_bench",
-    "PINPOOL_SERVE_COUNTS": "pinpool.bench.engine.serve_bench",
-    **dict.fromkeys(_DEVICE_SCRIPT_ENV.split(), "tests/bench/run_on_device.sh"),
-}
+#: How near a settings variable an unknown ``PINPOOL_*`` name must be to warn as its typo (difflib ratio).
+TYPO_CUTOFF = 0.85
 #: Where a pool's slab and mirror can live: transports exist for these only.
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -126,14 +111,18 @@ class PoolSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> PoolSettings:
-        """Settings from ``PINPOOL_<FIELD>`` variables, overrides winning; a ``PINPOOL_*`` typo warns."""
+        """Settings from ``PINPOOL_<FIELD>`` variables, overrides winning.
+
+        A ``PINPOOL_*`` name that is no field but nearly spells one (``PINPOOL_NUM_SLOT``) warns as a
+        typo; other ``PINPOOL_*`` names belong to tools built on the pool and pass in silence.
+        """
         env = os.environ if environ is None else environ
         fields = {ENV_PREFIX + field.name.upper(): field for field in attrs.fields(cls)}
-        known = set(fields) | set(OTHER_ENV)
-        for var in sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in known):
-            close = difflib.get_close_matches(var, sorted(known), n=1)
-            hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(sorted(known))}"
-            warnings.warn(f"'{var}' is not a pinpool variable and is ignored ({hint})", SettingsWarning, stacklevel=2)
+        for var in sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in fields):
+            close = difflib.get_close_matches(var, sorted(fields), n=1, cutoff=TYPO_CUTOFF)
+            if close:
+                msg = f"'{var}' is not a pinpool variable and is ignored (did you mean {close[0]}?)"
+                warnings.warn(msg, SettingsWarning, stacklevel=2)
         values = {field.name: _parse_env(var, env[var], field.type) for var, field in fields.items() if var in env}
         return cls(**{**values, **overrides})
 

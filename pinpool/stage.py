@@ -14,26 +14,33 @@ import numpy as np
 import torch
 
 from pinpool.encode import NUMPY_DTYPE, PACKERS, as_source, check_dtype, int_in_range, packer_for, write
-from pinpool.exceptions import CapacityError, PoolStateError, StagingTypeError, StagingValueError, StaleLeaseError
+from pinpool.exceptions import (
+    CAPACITY_FIX,
+    CapacityError,
+    PoolStateError,
+    StagingTypeError,
+    StagingValueError,
+    StaleLeaseError,
+)
 from pinpool.layout import LANDING_ITEMSIZE, VIEW_LIFETIME, HostImage, Layout, align_up, landing_itemsize
 from pinpool.layout_step import LayoutStep, landing_index, no_layout
-from pinpool.placement import ABORTED, CLOSED, FLUSHED, IN_PLACE, OPEN, OWNED, RING, BlockSide, Placement, State
+from pinpool.placement import ABORTED, CLOSED, FLUSHED, IN_PLACE, OPEN, OWNED, RING, BlockSide, Placement
 from pinpool.readback import Landing, Readback, SlotReads
 from pinpool.slot import SlotMemory, typed_view
 from pinpool.transport import Stream
 
-#: ``Placement`` and ``State`` are read from here too (their home is placement.py).
-__all__ = ["Placement", "RingSide", "Stage", "State"]
 _ITEMSIZE = {d: d.itemsize for d in [*NUMPY_DTYPE, torch.bfloat16]}
 
 
 class RingSide(SlotReads, Protocol):
     """What a stage asks of its ring (``SlotRing``, the package's side of ``PinnedRingBuffer``)."""
 
-    @property
-    def settings(self) -> Any: ...
+    settings: Any
+    can_land: bool
+
     @property
     def device(self) -> torch.device: ...
+
     def _issue_copy(self, st: Stage) -> None: ...
     def _finish(self, st: Stage, ok: bool) -> None: ...
     def _spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor: ...
@@ -41,8 +48,6 @@ class RingSide(SlotReads, Protocol):
         self, slot: int, generation: int, stream: Stream, src: torch.Tensor, views: tuple[torch.Tensor, Any, int]
     ) -> Readback: ...
     def _check_can_land(self) -> None: ...
-
-    can_land: bool
 
 
 class Stage:
@@ -53,11 +58,9 @@ class Stage:
         with pool.stage() as st:
             temps = st.put([0.7, 1.0], torch.float32)   # device view, lands with the copy
             host, dev = st.reserve(256, torch.int32)    # fill ``host`` in place before exit
-            host[:] = 7
         # exit: one copy of the used bytes on ``st.stream``, then the slot's fence
 
-    With a layout, ``put(name, values)`` writes a field's live rows, ``views`` holds each field's
-    device view and ``landing(name)`` reads a landing field's results after close.
+    With a layout, ``put(name, values)`` writes a field's live rows and ``views`` holds each field's view.
     """
 
     __slots__ = (
@@ -65,14 +68,18 @@ class Stage:
         "_cursor",
         "_landings",
         "_mem",
-        "_ring",
         "_step",
         "capacity",
         "copy_issued",
         "dst",
         "generation",
         "landing_bytes",
+        "layout",
+        "live",
+        "owned",
         "placement",
+        "pool",
+        "rows",
         "slot",
         "state",
         "stream",
@@ -91,9 +98,11 @@ class Stage:
         dst: torch.Tensor,
         block: BlockSide | None = None,
     ) -> None:
-        self._ring, self._mem, self.slot, self.generation = ring, mem, slot, generation
+        #: The pool this stage belongs to (a library building into a caller's stage checks it).
+        self.pool, self._mem, self.slot, self.generation = ring, mem, slot, generation
         self.stream = stream  # of the copy, the fence and the read-backs, fixed at open
         self.placement = placement
+        self.owned = placement is OWNED
         self.dst = dst  # the device memory the views are carved from and the copy lands in
         self._block = block
         # Landing bytes are claimed from the slot's end down, outside the copied bytes.
@@ -104,27 +113,14 @@ class Stage:
         self.state = OPEN
         self._landings: list[Landing] = []
         self._step: LayoutStep | None = None  # a layout's step, set by ``open_layout``
+        self.layout: Layout | None = None
+        self.rows = self.live = 0  # with a layout: the padded rows, and how many of them are real
 
     @property
     def views(self) -> dict[str, torch.Tensor]:
         """With a layout: name -> each field's device view of ``rows`` elements (empty without one)."""
         return self._step.placed.views if self._step is not None else {}
 
-    @property
-    def layout(self) -> Layout | None:
-        return self._step.layout if self._step is not None else None
-
-    @property
-    def rows(self) -> int:
-        """With a layout: the padded row count (0 without one)."""
-        return self._step.rows if self._step is not None else 0
-
-    @property
-    def live(self) -> int:
-        """With a layout: how many of the rows are real (0 without one)."""
-        return self._step.live if self._step is not None else 0
-
-    # -- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> Stage:
         return self
 
@@ -159,7 +155,7 @@ class Stage:
             # The writer is the graph replay, maybe on a registered reader: the fence follows it.
             self._block.wait_for_readers(self.stream)
         self.state = CLOSED if ok else ABORTED
-        self._ring._finish(self, ok)
+        self.pool._finish(self, ok)
         if ok:
             for handle in self._landings:
                 handle.armed = True
@@ -172,15 +168,6 @@ class Stage:
     @property
     def flushed(self) -> bool:
         return self.state is not OPEN
-
-    @property
-    def owned(self) -> bool:
-        return self.placement is OWNED
-
-    @property
-    def pool(self) -> RingSide:
-        """The pool this stage belongs to (a library building into a caller's stage checks it)."""
-        return self._ring
 
     @property
     def is_live(self) -> bool:
@@ -206,13 +193,9 @@ class Stage:
             "that must live longer in an owned stage (owned=)"
         )
 
-    # -- ad-hoc values -----------------------------------------------------------------
     def put(self, values: Any, dtype: Any = None, *, name: str = "values") -> Any:
-        """Write ``values`` into the slot; return the device tensor they will land in.
-
-        Lists, tuples and scalars (``dtype`` required), numpy arrays, CPU tensors and bytes-like
-        objects, converted exactly or refused, typed, before the stage advances.
-        """
+        """Write ``values`` (a list, tuple or scalar with ``dtype``; a numpy array, CPU tensor or bytes) into
+        the slot, converted exactly or refused before the stage advances; return their device view."""
         if self.state is not OPEN:
             self._check_open()
         if type(values) is str:
@@ -238,9 +221,9 @@ class Stage:
         numel = math.prod(shape)
         start, nbytes = self._cursor, numel * _ITEMSIZE[target]
         if start + nbytes > min(self.capacity, self.tail):
-            if self._ring.settings.overflow.value != "spill" or self.placement is IN_PLACE:
-                raise CapacityError(self._capacity_message(nbytes, name))
-            device = self._ring._spill(self, src, target, numel, name)  # raises before queueing on bad values
+            if self.pool.settings.overflow.value != "spill" or self.placement is IN_PLACE:
+                raise self._no_room(nbytes, name)
+            device = self.pool._spill(self, src, target, numel, name)  # raises before queueing on bad values
             self.copy_issued = True
         else:
             if target is torch.bfloat16:
@@ -266,20 +249,17 @@ class Stage:
         itemsize = _ITEMSIZE[target]
         start, nbytes = align_up(self._cursor, itemsize), numel * itemsize
         if start + nbytes > min(self.capacity, self.tail):
-            raise CapacityError(self._capacity_message(nbytes, name))
+            raise self._no_room(nbytes, name)
         host = self._mem.host[target][start // itemsize : start // itemsize + numel]
         return host, self._advance(start, target, numel, nbytes)
 
     def land(self, numel: int, dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, Landing]:
-        """Have a kernel store ``numel`` values into this slot's end: (int64 device addresses, handle).
-
-        Launch the writer (``pinpool.landing.land``) after ``flush`` and before close, on the stage's
-        stream or a registered consumer; read the handle after a successful close.
-        """
+        """Have a kernel store ``numel`` values into this slot's end: (int64 device addresses, handle). Launch
+        the writer (``pinpool.landing.land``) after ``flush``, before close, on the stage's stream or a consumer."""
         if self.state is not OPEN:
             self._check_open()
-        if not self._ring.can_land:
-            self._ring._check_can_land()  # raises, saying why
+        if not self.pool.can_land:
+            self.pool._check_can_land()  # raises, saying why
         if not int_in_range(numel, 0):
             raise StagingValueError(f"'numel' must be an int >= 0 (got {numel!r})")
         itemsize = landing_itemsize(dtype)
@@ -303,7 +283,7 @@ class Stage:
         if not self.is_open:
             self._check_open()
         offset = align_up(self._cursor, self._mem.alignment)
-        views = self._mem.readback_views(src, offset, self._ring.device)  # typed errors first
+        views = self._mem.readback_views(src, offset, self.pool.device)  # typed errors first
         nbytes = views[2]
         if offset + nbytes > self.tail:
             raise CapacityError(
@@ -314,7 +294,7 @@ class Stage:
             self.flush()
         if self._block is not None:
             self._block.wait_for_readers(self.stream)  # ``src`` is written by the replay, maybe on a reader
-        handle = self._ring._copy_back(self.slot, self.generation, self.stream, src, views)
+        handle = self.pool._copy_back(self.slot, self.generation, self.stream, src, views)
         self._cursor = offset + nbytes
         self.copy_issued = True
         return handle
@@ -325,13 +305,13 @@ class Stage:
             self._check_open()
         self._mem.retained.extend(objs)
 
-    # -- layout ------------------------------------------------------------------------
     def open_layout(self, layout: Layout, rows: int, live: int) -> None:
         """Claim ``layout`` for ``rows`` rows, ``live`` of them real, and its landings (the ring checked the counts)."""
         mem = self._mem
         block_views = self._block.views if self._block is not None else None
         placed = mem.placed(layout, rows, self.dst, block_views, self.capacity, keep=self.placement is not OWNED)
         self._step = step = LayoutStep(layout, rows, live, mem, placed)
+        self.layout, self.rows, self.live = layout, rows, live
         self.used_bytes, self._cursor = placed.nbytes, placed.cursor
         for i, at, dtype in placed.landings:
             start = self._claim_tail(live * LANDING_ITEMSIZE[dtype], layout.fields[i].name)
@@ -362,7 +342,6 @@ class Stage:
         """The handle that reads landing field ``name``'s values after a successful close."""
         return self._landings[landing_index(self._step, name)]
 
-    # -- internals ---------------------------------------------------------------------
     def _advance(self, start: int, dtype: torch.dtype, numel: int, nbytes: int) -> torch.Tensor:
         """Commit a claim of ``nbytes`` at ``start``: its device view, and the cursor past it."""
         self.used_bytes = start + nbytes
@@ -386,7 +365,7 @@ class Stage:
     def _new_landing(self, start: int, numel: int, dtype: torch.dtype) -> tuple[Landing, bytes]:
         """The handle of ``numel`` landed ``dtype`` values at ``start`` of the slot, and their address column."""
         column, values = self._mem.landing(start, numel, dtype)
-        handle = Landing(self._ring, self.slot, self.generation, self._mem.fence, values)
+        handle = Landing(self.pool, self.slot, self.generation, self._mem.fence, values)
         self._landings.append(handle)
         return handle, column
 
@@ -401,7 +380,7 @@ class Stage:
         if self._block is not None:
             self._block.before_copy(self.stream)
         if self.placement is not IN_PLACE:
-            self._ring._issue_copy(self)
+            self.pool._issue_copy(self)
         self.state = FLUSHED
         if self._block is not None:
             self._block.after_copy(self.stream)
@@ -412,10 +391,9 @@ class Stage:
         if self.state is FLUSHED:
             raise PoolStateError("this stage was flushed: its copy is issued, so nothing more can be put")
 
-    def _capacity_message(self, nbytes: int, name: str) -> str:
+    def _no_room(self, nbytes: int, name: str) -> CapacityError:
         limit = "owned buffer" if self.placement is OWNED and self.capacity < self._mem.nbytes else "slot"
         free = max(min(self.capacity, self.tail) - self._cursor, 0)
-        return (
-            f"'{name}' needs {nbytes} bytes but the {limit} has {free} of {self.capacity} left; raise "
-            "PoolSettings.slot_bytes (PINPOOL_SLOT_BYTES) or pass overflow='spill'"
+        return CapacityError(
+            f"'{name}' needs {nbytes} bytes but the {limit} has {free} of {self.capacity} left; {CAPACITY_FIX}"
         )

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from pinpool.bench.kit import BenchContext, Spread, Table, host_us_spread, ratio
+from pinpool.bench.numa import gpu_numa_node, host_numa_node
 from pinpool.bench.staging import FIELDS, field_lists
 from pinpool.platform import device_alias
 from pinpool.ring import PinnedRingBuffer
@@ -164,6 +165,7 @@ def workload(ctx: BenchContext) -> list[Table]:
                 )
             )
     stats = pool.stats()
+    slab_node, gpu_node = host_numa_node(pool.host_slab.data_ptr()), gpu_numa_node(pool.device.index or 0)
     pool.close()
     notes = [
         "one step = 5 fields staged from Python lists + `readers` kernels, each reading all 5 fields "
@@ -174,8 +176,8 @@ def workload(ctx: BenchContext) -> list[Table]:
         "early); copy includes its H2D copy, zero-copy and uva-ring read over PCIe in every reader",
         f"wrong: steps of {LAG_STEPS} (readers=1) whose reader saw another step's values under random GPU lag "
         "with no bound on steps in flight",
-        f"platform: {pool.platform.reason}; slab NUMA node {pool.platform.slab_numa_node}, GPU NUMA node "
-        f"{pool.platform.gpu_numa_node}; pool: {stats.copies} copies, {stats.zero_copy_stages} zero-copy stages, "
+        f"platform: {pool.platform.reason}; slab NUMA node {slab_node}, GPU NUMA node {gpu_node}; "
+        f"pool: {stats.copies} copies, {stats.zero_copy_stages} zero-copy stages, "
         f"{stats.stalls} stalls",
     ]
     columns = (
