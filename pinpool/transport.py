@@ -28,11 +28,8 @@ class Fence(Protocol):
 
 
 class Transport(Protocol):
-    """Memory, fences, stream waits and copies for one device.
-
-    ``capturing`` and ``resolve_for_stage`` are optional for a caller's own transport: without
-    them the ring asks ``resolve_stream`` alone and assumes no graph capture.
-    """
+    """Memory, fences, stream waits and copies for one device; a caller's own transport has every member
+    (the ring asks ``resolve_for_stage`` at each open: the capture refusal rests on it)."""
 
     device: torch.device
     pinned: bool  # host memory is page-locked, so copies from it are truly asynchronous

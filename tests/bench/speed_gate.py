@@ -207,6 +207,16 @@ def compare(old_paths: str, new_paths: str, normalise: bool = False, best: bool 
     print(f"GATE worst new/old {worst:.2f} (gate 1.10); of the issue's named figures [gate] {gated:.2f}")
 
 
+def cpu_list(text: str, count: int) -> str:
+    """The first ``count`` CPUs of a sysfs cpulist ("0-7,16-23"), as a ``taskset -c`` list ("0,1,2,3")."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        if first.isdigit():
+            cpus.extend(range(int(first), int(last or first) + 1))
+    return ",".join(map(str, cpus[:count])) or "0"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -221,7 +231,16 @@ def main() -> int:
     c.add_argument("--normalise", action="store_true", help="divide by a same-run peer first (see REFERENCE_COLUMNS)")
     c.add_argument("--best", action="store_true", help="each tree's best run per figure, not the mean")
     c.add_argument("--paired", action="store_true", help="old run i against new run i, the median over the pairs")
+    cp = sub.add_parser("cpus", help="print the first COUNT CPUs of a cpulist file (0 where unreadable)")
+    cp.add_argument("path", type=Path)
+    cp.add_argument("count", type=int)
     args = parser.parse_args()
+    if args.cmd == "cpus":
+        try:
+            print(cpu_list(args.path.read_text(), args.count))
+        except OSError:
+            print(cpu_list("0-3", args.count))
+        return 0
     if args.cmd == "run":
         return run(args.tree, args.workloads.split(","), args.json, args.repeats)
     if args.paired:

@@ -96,3 +96,11 @@ def test_paired_takes_the_median_of_each_pairs_ratio(tmp_path: Path, capsys: pyt
     assert _gate_line(capsys.readouterr().out)[1] == pytest.approx(112 / 110, abs=0.005)  # printed to 2 places
     with pytest.raises(SystemExit, match="as many old runs"):
         gate.compare_paired(old, str(tmp_path / "n1.json"))
+
+
+def test_cpu_list_takes_the_first_cpus_of_a_sysfs_list() -> None:
+    """Catches the gate's runs pinned to CPUs outside the GPU's local list, or a range read as its ends."""
+    cpu_list = _gate().cpu_list
+    assert cpu_list("0-7,16-23\n", 4) == "0,1,2,3"
+    assert cpu_list("6,9-11", 3) == "6,9,10"
+    assert cpu_list("", 4) == "0"
