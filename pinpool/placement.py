@@ -1,4 +1,5 @@
-"""Where a stage's bytes land (``Placement``), its one lifecycle (``State``), and what a block stage asks of its block.
+"""Where a stage's bytes land (``Placement``), its one lifecycle (``State``), and what a stage asks of its ring
+(``RingSide``) and of its block (``BlockSide``).
 
 - ``RING``: the slot's device mirror (``pool.stage()``): views rotate with the slot;
 - ``OWNED``: device memory the caller owns or the pool allocates (``owned=``);
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from pinpool.readback import Readback, SlotReads
 from pinpool.transport import Stream
 
 
@@ -42,3 +44,22 @@ class BlockSide(Protocol):
     def after_copy(self, stream: Stream) -> None: ...
     def wait_for_readers(self, stream: Stream) -> None: ...
     def views(self, rows: int) -> Mapping[str, torch.Tensor]: ...
+
+
+class RingSide(SlotReads, Protocol):
+    """What a stage asks of its ring (``SlotRing``, the package's side of ``PinnedRingBuffer``); ``st`` is the
+    ``Stage`` asking, typed ``Any`` since stage.py imports this module."""
+
+    settings: Any
+    can_land: bool
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def _issue_copy(self, st: Any) -> None: ...
+    def _finish(self, st: Any, ok: bool) -> None: ...
+    def _spill(self, st: Any, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor: ...
+    def _copy_back(
+        self, slot: int, generation: int, stream: Stream, src: torch.Tensor, views: tuple[torch.Tensor, Any, int]
+    ) -> Readback: ...
+    def _check_can_land(self) -> None: ...

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,30 +24,12 @@ from pinpool.exceptions import (
 )
 from pinpool.layout import LANDING_ITEMSIZE, VIEW_LIFETIME, HostImage, Layout, align_up, landing_itemsize
 from pinpool.layout_step import LayoutStep, landing_index, no_layout
-from pinpool.placement import ABORTED, CLOSED, FLUSHED, IN_PLACE, OPEN, OWNED, RING, BlockSide, Placement
-from pinpool.readback import Landing, Readback, SlotReads
+from pinpool.placement import ABORTED, CLOSED, FLUSHED, IN_PLACE, OPEN, OWNED, RING, BlockSide, Placement, RingSide
+from pinpool.readback import Landing, Readback
 from pinpool.slot import SlotMemory, typed_view
 from pinpool.transport import Stream
 
 _ITEMSIZE = {d: d.itemsize for d in [*NUMPY_DTYPE, torch.bfloat16]}
-
-
-class RingSide(SlotReads, Protocol):
-    """What a stage asks of its ring (``SlotRing``, the package's side of ``PinnedRingBuffer``)."""
-
-    settings: Any
-    can_land: bool
-
-    @property
-    def device(self) -> torch.device: ...
-
-    def _issue_copy(self, st: Stage) -> None: ...
-    def _finish(self, st: Stage, ok: bool) -> None: ...
-    def _spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor: ...
-    def _copy_back(
-        self, slot: int, generation: int, stream: Stream, src: torch.Tensor, views: tuple[torch.Tensor, Any, int]
-    ) -> Readback: ...
-    def _check_can_land(self) -> None: ...
 
 
 class Stage:
@@ -68,18 +50,14 @@ class Stage:
         "_cursor",
         "_landings",
         "_mem",
+        "_ring",
         "_step",
         "capacity",
         "copy_issued",
         "dst",
         "generation",
         "landing_bytes",
-        "layout",
-        "live",
-        "owned",
         "placement",
-        "pool",
-        "rows",
         "slot",
         "state",
         "stream",
@@ -98,11 +76,9 @@ class Stage:
         dst: torch.Tensor,
         block: BlockSide | None = None,
     ) -> None:
-        #: The pool this stage belongs to (a library building into a caller's stage checks it).
-        self.pool, self._mem, self.slot, self.generation = ring, mem, slot, generation
+        self._ring, self._mem, self.slot, self.generation = ring, mem, slot, generation
         self.stream = stream  # of the copy, the fence and the read-backs, fixed at open
         self.placement = placement
-        self.owned = placement is OWNED
         self.dst = dst  # the device memory the views are carved from and the copy lands in
         self._block = block
         # Landing bytes are claimed from the slot's end down, outside the copied bytes.
@@ -113,8 +89,20 @@ class Stage:
         self.state = OPEN
         self._landings: list[Landing] = []
         self._step: LayoutStep | None = None  # a layout's step, set by ``open_layout``
-        self.layout: Layout | None = None
-        self.rows = self.live = 0  # with a layout: the padded rows, and how many of them are real
+
+    @property
+    def layout(self) -> Layout | None:
+        return self._step.layout if self._step is not None else None
+
+    @property
+    def rows(self) -> int:
+        """With a layout: the padded row count (0 without one)."""
+        return self._step.rows if self._step is not None else 0
+
+    @property
+    def live(self) -> int:
+        """With a layout: how many of the rows are real (0 without one)."""
+        return self._step.live if self._step is not None else 0
 
     @property
     def views(self) -> dict[str, torch.Tensor]:
@@ -155,7 +143,7 @@ class Stage:
             # The writer is the graph replay, maybe on a registered reader: the fence follows it.
             self._block.wait_for_readers(self.stream)
         self.state = CLOSED if ok else ABORTED
-        self.pool._finish(self, ok)
+        self._ring._finish(self, ok)
         if ok:
             for handle in self._landings:
                 handle.armed = True
@@ -168,6 +156,15 @@ class Stage:
     @property
     def flushed(self) -> bool:
         return self.state is not OPEN
+
+    @property
+    def owned(self) -> bool:
+        return self.placement is OWNED
+
+    @property
+    def pool(self) -> RingSide:
+        """The pool this stage belongs to (a library building into a caller's stage checks it)."""
+        return self._ring
 
     @property
     def is_live(self) -> bool:
@@ -221,9 +218,9 @@ class Stage:
         numel = math.prod(shape)
         start, nbytes = self._cursor, numel * _ITEMSIZE[target]
         if start + nbytes > min(self.capacity, self.tail):
-            if self.pool.settings.overflow.value != "spill" or self.placement is IN_PLACE:
+            if self._ring.settings.overflow.value != "spill" or self.placement is IN_PLACE:
                 raise self._no_room(nbytes, name)
-            device = self.pool._spill(self, src, target, numel, name)  # raises before queueing on bad values
+            device = self._ring._spill(self, src, target, numel, name)  # raises before queueing on bad values
             self.copy_issued = True
         else:
             if target is torch.bfloat16:
@@ -258,8 +255,8 @@ class Stage:
         the writer (``pinpool.landing.land``) after ``flush``, before close, on the stage's stream or a consumer."""
         if self.state is not OPEN:
             self._check_open()
-        if not self.pool.can_land:
-            self.pool._check_can_land()  # raises, saying why
+        if not self._ring.can_land:
+            self._ring._check_can_land()  # raises, saying why
         if not int_in_range(numel, 0):
             raise StagingValueError(f"'numel' must be an int >= 0 (got {numel!r})")
         itemsize = landing_itemsize(dtype)
@@ -283,7 +280,7 @@ class Stage:
         if not self.is_open:
             self._check_open()
         offset = align_up(self._cursor, self._mem.alignment)
-        views = self._mem.readback_views(src, offset, self.pool.device)  # typed errors first
+        views = self._mem.readback_views(src, offset, self._ring.device)  # typed errors first
         nbytes = views[2]
         if offset + nbytes > self.tail:
             raise CapacityError(
@@ -294,7 +291,7 @@ class Stage:
             self.flush()
         if self._block is not None:
             self._block.wait_for_readers(self.stream)  # ``src`` is written by the replay, maybe on a reader
-        handle = self.pool._copy_back(self.slot, self.generation, self.stream, src, views)
+        handle = self._ring._copy_back(self.slot, self.generation, self.stream, src, views)
         self._cursor = offset + nbytes
         self.copy_issued = True
         return handle
@@ -311,7 +308,6 @@ class Stage:
         block_views = self._block.views if self._block is not None else None
         placed = mem.placed(layout, rows, self.dst, block_views, self.capacity, keep=self.placement is not OWNED)
         self._step = step = LayoutStep(layout, rows, live, mem, placed)
-        self.layout, self.rows, self.live = layout, rows, live
         self.used_bytes, self._cursor = placed.nbytes, placed.cursor
         for i, at, dtype in placed.landings:
             start = self._claim_tail(live * LANDING_ITEMSIZE[dtype], layout.fields[i].name)
@@ -365,7 +361,7 @@ class Stage:
     def _new_landing(self, start: int, numel: int, dtype: torch.dtype) -> tuple[Landing, bytes]:
         """The handle of ``numel`` landed ``dtype`` values at ``start`` of the slot, and their address column."""
         column, values = self._mem.landing(start, numel, dtype)
-        handle = Landing(self.pool, self.slot, self.generation, self._mem.fence, values)
+        handle = Landing(self._ring, self.slot, self.generation, self._mem.fence, values)
         self._landings.append(handle)
         return handle, column
 
@@ -380,7 +376,7 @@ class Stage:
         if self._block is not None:
             self._block.before_copy(self.stream)
         if self.placement is not IN_PLACE:
-            self.pool._issue_copy(self)
+            self._ring._issue_copy(self)
         self.state = FLUSHED
         if self._block is not None:
             self._block.after_copy(self.stream)
