@@ -23,7 +23,7 @@ class HostKVAllocator:
     s is free exactly when ``where[s] < top`` and ``stack[where[s]] == s``. An allocation
     then only moves ``top`` down and copies the slots out: one numpy operation per decode
     step, where an in-use bitmap cost a second one (right after a step's launches each
-    numpy call runs cold, several µs). Freeing (a finished request, rare) pays the check.
+    numpy call runs cold and costs more than its work). Freeing (a finished request, rare) pays the check.
     """
 
     def __init__(self, size: int) -> None:

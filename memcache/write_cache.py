@@ -8,11 +8,11 @@ lands in one copy from the pool, and the kernel reads it from there.
 Two ways to the same metadata, chosen by batch size (measured on the CPU machine):
 - up to ``SMALL_BATCH`` requests given as lists: ``struct`` makes them exact unsigned
   ints, the other rules are C-level builtins over those (``max``, ``set``, ``map``), and
-  the metadata is built as the bytes staged. numpy's fixed cost (0.5-1 µs an operation,
-  some 25 operations) would be most of such a call. It decides only "all valid";
+  the metadata is built as the bytes staged. numpy's fixed cost per operation
+  (some 25 operations) would be most of such a call. It decides only "all valid";
   anything else goes the vectorised way, which raises the one error message for each rule.
 - otherwise the checks are vectorised: int lists are packed by ``struct`` into one int64
-  table (9 against 30 ns a value for ``array.array``), and the length rules take a few
+  table (about three times faster a value than ``array.array``), and the length rules take a few
   numpy calls (unsigned maxima, two subtractions, a count of rows).
 Either way each list is packed by a compiled ``struct.Struct`` of its own: ``pack(*list)``
 turns the list into the call's arguments once, where one call for all four lists (or
@@ -47,9 +47,9 @@ from pinpool import PinnedRingBuffer
 
 Backend = Literal["auto", "triton", "torch"]
 IntsLike = Sequence[int] | np.ndarray[Any, Any]
-#: Batches up to this size go through the plain-Python pass (about 0.35 µs a request
-#: against 0.22 for the vectorised way, which costs 10-15 µs more whatever the size, on
-#: the CPU machine: at 64 the plain pass measured 12% cheaper there, at 128 11% dearer).
+#: Batches up to this size go through the plain-Python pass: dearer per request than the
+#: vectorised way, which pays more numpy calls whatever the size (on the CPU machine the
+#: plain pass measured 12% cheaper at 64 and 11% dearer at 128).
 SMALL_BATCH = 64
 _NAMES = ("req_pool_indices", "prefix_lens", "seq_lens", "extend_lens")
 _max = np.maximum.reduce
@@ -97,7 +97,7 @@ def _resolve_backend(backend: Backend, device: torch.device) -> str:
     if backend != "auto":
         return backend
     # Triton needs a GPU, or its interpreter on CPU tensors (TRITON_INTERPRET=1).
-    if device in _CUDA_DEVICES:  # (reading device.type costs 0.4 µs)
+    if device in _CUDA_DEVICES:  # a set lookup, cheaper than reading device.type
         return "triton"
     if device.type == "cuda":
         _CUDA_DEVICES.add(device)
@@ -190,7 +190,7 @@ def _check_lengths(
             raise CacheIndexError(f"'out_cache_loc' must be empty for an empty batch (got {out_cache_loc.shape[0]})")
         return ends
     size, max_len = req_to_token_pool.size, req_to_token_pool.max_context_len
-    # The valid case pays few numpy calls (0.5-1 µs each whatever the size: most of the
+    # The valid case pays few numpy calls (each a fixed cost whatever the size: most of the
     # check up to bs 1024), as ufunc methods (ndarray.max/.any/.cumsum add a Python layer);
     # only a failing batch goes through the per-rule checks that name the request and
     # value. Read as unsigned, a negative value is >= 2**63, so one max bounds each row

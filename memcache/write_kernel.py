@@ -115,13 +115,13 @@ def launch_checked(
             _write_req_to_token_kernel[(bs,)](*args, BLOCK=BLOCK)
             return
         # Triton's JIT entry binds the arguments, builds their specialization key and looks
-        # the kernel up on every call: 15-22 µs of a call's host time against 10-13 µs for
-        # the compiled kernel's own runner (H200 host, triton 3.6, 2026-11-30,
-        # tests/bench/diag_launch.py). For this kernel the key is fully known here: the
-        # device, the three tensors' dtypes, the 16-byte alignment of each pointer, and
-        # whether bs and row_stride fit int32 (they are not specialized on their values,
-        # but Triton types them i32 or i64 by size: a kernel built for i32 would truncate
-        # a larger one). A new key goes through the JIT entry once and keeps its kernel.
+        # the kernel up on every call: half as much host time again as the compiled kernel's
+        # own runner, or more (tests/bench/diag_launch.py on an H200 host, triton 3.6). For
+        # this kernel the key is fully known here: the device, the three tensors' dtypes,
+        # the 16-byte alignment of each pointer, and whether bs and row_stride fit int32
+        # (they are not specialized on their values, but Triton types them i32 or i64 by
+        # size: a kernel built for i32 would truncate a larger one). A new key goes through
+        # the JIT entry once and keeps its kernel.
         key = (
             device.index,
             req_to_token.dtype,
