@@ -48,11 +48,9 @@ WARM_STEPS = 4
 CONFIGS = {
     # A draft-sized model: one layer, a 2k vocabulary, bfloat16 as served. Its replayed
     # step (model and sampler) is the shortest the graph gets, so the host's per-step work
-    # decides. In float32, cuBLAS took a 54 µs GEMM kernel for each of the layer's two
-    # addmm products (attention out, FFN down) at 16 rows, and that step (239 µs)
-    # outlasted every host step;
-    # in bfloat16 the step measured 99 / 109 / 122 µs at 1 / 16 / 64 rows (H200,
-    # 2026-11-30, tests/bench/diag_calls.py).
+    # decides. In float32, cuBLAS took a GEMM kernel for each of the layer's two addmm
+    # products (attention out, FFN down) at 16 rows long enough that the step outlasted
+    # every host step; in bfloat16 it is shorter than any (tests/bench/diag_calls.py).
     "host-bound": ModelConfig(
         hidden=128, layers=1, heads=2, ffn=256, vocab_size=2048, max_context_len=160, dtype="bfloat16"
     ),

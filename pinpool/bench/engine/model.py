@@ -54,9 +54,8 @@ class TinyDecoder:
         gen = torch.Generator().manual_seed(cfg.seed)
 
         # Weights stay [in, out] (x @ W). torch's Linear layout ([out, in], x @ W.T) was tried
-        # and measured a slower replayed decode step on an H200 (2026-11-30, same random
-        # values): 3086 against 2624 µs at 16 running for the GPU-bound config, 296 against
-        # 241 µs for the host-bound one (tests/bench/RESULTS.md, runs of 13:55 and 14:16).
+        # and gave a slower replayed decode step on an H200 in both configs, by 18% and 23%
+        # (same random values; the figures are in tests/bench/RESULTS.md's history).
         dtype = cfg.torch_dtype
 
         def weight(*shape: int) -> torch.Tensor:
