@@ -19,7 +19,7 @@ class SettingsTypeError(SettingsError, TypeError):
 
 
 class SettingsWarning(UserWarning):
-    """A ``PINPOOL_*`` variable nothing reads (most likely a typo)."""
+    """A ``PINPOOL_*`` variable that nearly spells a settings variable but is none (most likely a typo)."""
 
 
 class CapacityError(PinpoolError, ValueError):

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from pinpool.readback import Readback, SlotReads
+from pinpool.settings import PoolSettings
 from pinpool.transport import Stream
 
 
@@ -46,19 +47,22 @@ class BlockSide(Protocol):
     def views(self, rows: int) -> Mapping[str, torch.Tensor]: ...
 
 
-class RingSide(SlotReads, Protocol):
-    """What a stage asks of its ring (``SlotRing``, the package's side of ``PinnedRingBuffer``); ``st`` is the
-    ``Stage`` asking, typed ``Any`` since stage.py imports this module."""
+#: The ``Stage`` that asks its ring (``RingSide[Stage]``): a parameter, as stage.py imports this module.
+_S = TypeVar("_S", contravariant=True)
 
-    settings: Any
+
+class RingSide(SlotReads, Protocol[_S]):
+    """What a stage asks of its ring (``SlotRing``, the package's side of ``PinnedRingBuffer``)."""
+
+    settings: PoolSettings
     can_land: bool
 
     @property
     def device(self) -> torch.device: ...
 
-    def _issue_copy(self, st: Any) -> None: ...
-    def _finish(self, st: Any, ok: bool) -> None: ...
-    def _spill(self, st: Any, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor: ...
+    def _issue_copy(self, st: _S) -> None: ...
+    def _finish(self, st: _S, ok: bool) -> None: ...
+    def _spill(self, st: _S, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor: ...
     def _copy_back(
         self, slot: int, generation: int, stream: Stream, src: torch.Tensor, views: tuple[torch.Tensor, Any, int]
     ) -> Readback: ...

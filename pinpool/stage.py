@@ -67,7 +67,7 @@ class Stage:
 
     def __init__(
         self,
-        ring: RingSide,
+        ring: RingSide[Stage],
         mem: SlotMemory,
         slot: int,
         generation: int,
@@ -162,7 +162,7 @@ class Stage:
         return self.placement is OWNED
 
     @property
-    def pool(self) -> RingSide:
+    def pool(self) -> RingSide[Stage]:
         """The pool this stage belongs to (a library building into a caller's stage checks it)."""
         return self._ring
 

@@ -39,20 +39,20 @@ if [ -n "${PINPOOL_GATE:-}" ] && [ -d .old/pinpool ]; then
   # PINPOOL_GATE_ORDER="old1 new1 old2 new2 old3 new3" runs more pairs (run i of each tree is a pair).
   olds=() news=()
   # PINPOOL_GATE_CPUS pins every run to the same CPUs ("auto": the first four the GPU's PCI
-  # device calls local), so that no run lands on cores further from the GPU than another's.
+  # device calls local and this process may use; device.txt says where they came from).
   pin=()
   if [ -n "${PINPOOL_GATE_CPUS:-}" ]; then
     cpus=$PINPOOL_GATE_CPUS
     if [ "$cpus" = auto ]; then
       bus=$(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader -i 0 | head -1 | tr 'A-F' 'a-f')
-      cpus=$(python3 tests/bench/speed_gate.py cpus "/sys/bus/pci/devices/${bus#0000}/local_cpulist" 4)
+      cpus=$(python3 tests/bench/speed_gate.py cpus "/sys/bus/pci/devices/${bus#0000}/local_cpulist" 4 2>>"$LOGS/device.txt")
     fi
     pin=(taskset -c "$cpus")
     { echo "gate runs pinned to CPUs $cpus"; lscpu | grep -i numa; } | tee -a "$LOGS/device.txt"
   fi
   for run in ${PINPOOL_GATE_ORDER:-old1 new1 new2 old2}; do
     tree=.; [[ $run == old* ]] && tree=.old
-    box "${PINPOOL_GATE_BOX:-150}" "${pin[@]}" python3 tests/bench/speed_gate.py run --tree "$tree" --workloads "$gw" \
+    box "${PINPOOL_GATE_BOX:-150}" ${pin[@]+"${pin[@]}"} python3 tests/bench/speed_gate.py run --tree "$tree" --workloads "$gw" \
       --json "$LOGS/gate_$run.json" >"$LOGS/gate_$run.txt" 2>&1
     if [[ $run == old* ]]; then olds+=("$LOGS/gate_$run.json"); else news+=("$LOGS/gate_$run.json"); fi
   done

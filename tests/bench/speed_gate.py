@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -207,13 +208,14 @@ def compare(old_paths: str, new_paths: str, normalise: bool = False, best: bool 
     print(f"GATE worst new/old {worst:.2f} (gate 1.10); of the issue's named figures [gate] {gated:.2f}")
 
 
-def cpu_list(text: str, count: int) -> str:
-    """The first ``count`` CPUs of a sysfs cpulist ("0-7,16-23"), as a ``taskset -c`` list ("0,1,2,3")."""
+def cpu_list(text: str, count: int, allowed: set[int] | None = None) -> str:
+    """The first ``count`` CPUs of a sysfs cpulist ("0-7,16-23") that are in ``allowed`` (this
+    process's affinity, when given), as a ``taskset -c`` list ("0,1,2,3"); "0" when none is."""
     cpus: list[int] = []
     for part in text.strip().split(","):
         first, _, last = part.partition("-")
         if first.isdigit():
-            cpus.extend(range(int(first), int(last or first) + 1))
+            cpus.extend(c for c in range(int(first), int(last or first) + 1) if allowed is None or c in allowed)
     return ",".join(map(str, cpus[:count])) or "0"
 
 
@@ -231,15 +233,20 @@ def main() -> int:
     c.add_argument("--normalise", action="store_true", help="divide by a same-run peer first (see REFERENCE_COLUMNS)")
     c.add_argument("--best", action="store_true", help="each tree's best run per figure, not the mean")
     c.add_argument("--paired", action="store_true", help="old run i against new run i, the median over the pairs")
-    cp = sub.add_parser("cpus", help="print the first COUNT CPUs of a cpulist file (0 where unreadable)")
+    cp = sub.add_parser(
+        "cpus", help="the first COUNT CPUs of a cpulist file this process may use (its own if unreadable)"
+    )
     cp.add_argument("path", type=Path)
     cp.add_argument("count", type=int)
     args = parser.parse_args()
     if args.cmd == "cpus":
+        allowed = os.sched_getaffinity(0)
         try:
-            print(cpu_list(args.path.read_text(), args.count))
+            text, source = args.path.read_text(), str(args.path)
         except OSError:
-            print(cpu_list("0-3", args.count))
+            text, source = ",".join(map(str, sorted(allowed))), f"this process's CPUs ({args.path} unreadable)"
+        print(f"gate CPUs from {source}: {text.strip()}", file=sys.stderr)
+        print(cpu_list(text, args.count, allowed))
         return 0
     if args.cmd == "run":
         return run(args.tree, args.workloads.split(","), args.json, args.repeats)

@@ -77,7 +77,7 @@ def test_platform_check_passes_and_views_alias_the_pinned_slot(where: Where) -> 
         assert view.device == device and base <= view.data_ptr() < base + pool.settings.total_bytes
         torch.cuda.synchronize(device)
         assert got.cpu().tolist() == list(range(N))
-        print(f"platform on {device}: {report}")  # the record: NUMA nodes where readable
+        print(f"platform on {device}: {report}")  # the record: what the check found, step by step
 
 
 @pytest.mark.parametrize("where", WHERE)

@@ -104,3 +104,4 @@ def test_cpu_list_takes_the_first_cpus_of_a_sysfs_list() -> None:
     assert cpu_list("0-7,16-23\n", 4) == "0,1,2,3"
     assert cpu_list("6,9-11", 3) == "6,9,10"
     assert cpu_list("", 4) == "0"
+    assert cpu_list("0-15", 2, allowed={3, 4, 9}) == "3,4"  # a container's CPUs only
