@@ -64,13 +64,7 @@ class Readback:
 
     def tolist(self) -> Any:
         """The values as Python numbers, without ``values()``'s array (waits if they have not landed yet)."""
-        # ``_landed`` inline but for its errors: a decode loop reads one of these a step.
-        if not self.armed or self._pool.slot_generation(self.slot) != self.generation:
-            self._landed()  # raises
-        if not self._landed_seen:
-            if not self._fence.query():
-                self._pool.wait_for_readback(self._fence)
-            self._landed_seen = True
+        self._landed()
         return self._host.tolist()  # sync-ok: a numpy view of pinned host memory whose fence has passed (checked above)
 
     def _landed(self) -> None:
@@ -100,11 +94,5 @@ class Landing(Readback):
     __slots__ = ("armed",)
 
     def __init__(self, pool: SlotReads, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any]):
-        # ``Readback.__init__`` inline: a decode step makes one of these right after its launches.
-        self._pool = pool
-        self.slot = slot
-        self.generation = generation
-        self._fence = fence
-        self._host = host
-        self._landed_seen = False
+        super().__init__(pool, slot, generation, fence, host)
         self.armed = False  # set by the stage's successful close

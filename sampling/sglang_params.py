@@ -300,8 +300,8 @@ def _first_bad(grid: np.ndarray[Any, Any], top_k: list[Any]) -> SamplingParamErr
     bad = ~((grid >= _LO) & (grid <= _HI))
     row = next(r for r in (0, 1, 3, 2) if bad[r].any())
     i = int(np.flatnonzero(bad[row])[0])
-    # top_k: the int as given, not its double; .item() reads a numpy host array
-    value = top_k[i] if row == 2 else grid[row, i].item()  # sync-ok: numpy
+    # top_k: the int as given, not its double; the others a number of the host grid
+    value = top_k[i] if row == 2 else grid[row, i].item()  # sync-ok: a numpy host array, no device read
     return _out_of_range(row, i, value)
 
 
