@@ -36,9 +36,8 @@ from __future__ import annotations
 import math
 import struct
 import sys
-from collections.abc import Mapping, Sequence
-from itertools import compress, repeat
-from operator import attrgetter, is_not
+from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -53,16 +52,22 @@ from sampling.params import (
     FLAG_TOP_K,
     FLAG_TOP_P,
     GREEDY_EPS,
-    MAX_BIAS_ENTRIES,
     RECORD_DTYPE,
     TOP_K_ALL,
     SamplingParams,
 )
+from sampling.sglang_rules import (
+    DEFAULTS,
+    Bias,
+    check_bias,
+    check_biases,
+    checked,
+    missing_field,
+    out_of_range,
+    scalar,
+)
 
-#: A request's logit bias as (token ids, values), sorted by token id.
-Bias = tuple[tuple[int, ...], tuple[float, ...]]
-_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "sampling_seed": DEFAULT_SEED}
-_FIELDS = (*_DEFAULTS, "logit_bias")
+_FIELDS = (*DEFAULTS, "logit_bias")
 _FIELDS_NO_SEED = tuple(f for f in _FIELDS if f != "sampling_seed")
 _GET = {name: attrgetter(name) for name in _FIELDS}
 #: Element types the fast conversion takes as they are; anything else is checked one by one.
@@ -86,21 +91,6 @@ _FLAG_NE = np.array([[1.0], [1.0], [0.0], [float(TOP_K_ALL)]])
 #: 20 (no carry reaches bit 24) or past bit 31 (dropped).
 _FLAG_MAGIC = np.uint32((1 << 25) + (1 << 16) + (1 << 11) + (1 << 2))
 _GREEDY_BIT = np.uint32(1 << 24)
-#: The grid's rows (see ``_pack_vectorised``): their names and range rules, for both packers' errors.
-_RULES = {
-    0: ("temperature", "must be finite, >= 0 and fit float32"),
-    1: ("top_p", "must be in (0, 1]"),
-    2: ("top_k", "must be >= 1, or -1 for all tokens"),
-    3: ("min_p", "must be in [0, 1]"),
-}
-
-
-def _out_of_range(row: int, i: int, value: Any) -> SamplingParamError:
-    """Request ``i``'s value of grid row ``row`` broke that row's range rule."""
-    name, rule = _RULES[row]
-    return SamplingParamError(f"'{name}' of request {i} {rule} (got {value!r})")
-
-
 #: Up to this many objects are packed one by one in Python (``_pack_small``): below it,
 #: numpy's fixed cost per operation (some 20 of them) outweighs Python's per request. On a
 #: 2-core CI host the two cross near 28 requests; at 20 the small packer is 17% faster, at
@@ -119,104 +109,23 @@ def _fields(seeds: bool) -> tuple[str, ...]:
     return _FIELDS if seeds else _FIELDS_NO_SEED
 
 
-def _missing_field(objs: Sequence[Any], name: str) -> SamplingParamError:
-    i = next(i for i, o in enumerate(objs) if not hasattr(o, name))
-    return SamplingParamError(
-        f"'sampling_params' of request {i} must carry sglang's field '{name}' (got {type(objs[i]).__name__})"
-    )
-
-
-def _scalar(i: int, name: str, value: Any, integral: bool) -> Any:
-    """One field of one object: None as sglang's default, strict types, an int field's range."""
-    if value is None:
-        value = _DEFAULTS[name]
-    if integral and isinstance(value, (float, np.floating)) and float(value).is_integer():
-        value = int(value)  # 40.0 is accepted as 40, as sglang's int conversion does
-    kinds = (int, np.integer) if integral else (int, float, np.integer, np.floating)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, kinds):
-        what = "an int" if integral else "a real number"
-        raise SamplingParamError(f"'{name}' of request {i} must be {what} (got {value!r})")
-    if integral and not -(2**63) <= value < 2**63:
-        raise SamplingParamError(f"'{name}' of request {i} must be in [-2**63, 2**63) (got {value!r})")
-    if integral:
-        return int(value)
-    try:
-        return float(value)
-    except OverflowError:  # an int beyond any double
-        raise SamplingParamError(f"'{name}' of request {i} must be finite and fit float32 (got {value!r})") from None
-
-
-def _checked(name: str, values: list[Any], integral: bool) -> list[Any]:
-    """``values`` converted one by one by ``_scalar``'s rules (the path for anything unusual)."""
-    return [_scalar(i, name, v, integral) for i, v in enumerate(values)]
-
-
-def _bias(i: int, value: Any) -> Bias | None:
-    # sglang's bias is a dict of str keys to floats: the exact type checks come first, the
-    # general ones (a Mapping, numpy numbers) only when those fail.
-    if type(value) is not dict and not isinstance(value, Mapping):
-        raise SamplingParamError(
-            f"'logit_bias' of request {i} must be a mapping of token id to float (got {type(value).__name__})"
-        )
-    if not value:
-        return None
-    merged: dict[int, float] = {}
-    for key, bias in value.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError, OverflowError):
-            raise SamplingParamError(f"'logit_bias' keys of request {i} must be token ids (got {key!r})") from None
-        if token < 0 or type(key) is bool:
-            raise SamplingParamError(f"'logit_bias' token ids of request {i} must be ints >= 0 (got {key!r})")
-        if type(bias) is not float and (
-            isinstance(bias, (bool, np.bool_)) or not isinstance(bias, (int, float, np.integer, np.floating))
-        ):
-            raise SamplingParamError(f"'logit_bias' values of request {i} must be real numbers (got {bias!r})")
-        try:
-            number = float(bias)
-        except OverflowError:  # an int beyond any double
-            number = math.inf
-        if not -F32_MAX <= number <= F32_MAX:  # NaN fails both sides
-            raise SamplingParamError(
-                f"'logit_bias' values of request {i} must be finite and fit float32 (got {bias!r} for token {token})"
-            )
-        merged[token] = number  # last one wins on collision, as sglang's dict does
-    if len(merged) > MAX_BIAS_ENTRIES:
-        raise SamplingParamError(
-            f"'logit_bias' of request {i} must have at most {MAX_BIAS_ENTRIES} entries (got {len(merged)})"
-        )
-    tokens = sorted(merged)
-    return tuple(tokens), tuple(map(merged.__getitem__, tokens))
-
-
-def _biases(raw: list[Any]) -> dict[int, Bias]:
-    """{request index: bias} for the requests that carry a non-empty one."""
-    out = {}
-    if raw.count(None) != len(raw):
-        for i in compress(range(len(raw)), map(is_not, raw, repeat(None))):
-            bias = _bias(i, raw[i])
-            if bias is not None:
-                out[i] = bias
-    return out
-
-
 def _row_checked(i: int, raw: tuple[Any, ...]) -> tuple[tuple[Any, ...], Bias | None]:
-    """Request ``i``'s record values and bias from its raw fields, each value through ``_scalar``:
+    """Request ``i``'s record values and bias from its raw fields, each value through ``scalar``:
     the small packer's general path, for any value its fast test does not take."""
-    temp = _scalar(i, "temperature", raw[0], False)
-    top_p = _scalar(i, "top_p", raw[1], False)
-    top_k = _scalar(i, "top_k", raw[2], True)
-    min_p = _scalar(i, "min_p", raw[3], False)
-    seed = _scalar(i, "sampling_seed", raw[4], True)
+    temp = scalar(i, "temperature", raw[0], False)
+    top_p = scalar(i, "top_p", raw[1], False)
+    top_k = scalar(i, "top_k", raw[2], True)
+    min_p = scalar(i, "min_p", raw[3], False)
+    seed = scalar(i, "sampling_seed", raw[4], True)
     if not math.isfinite(temp) or not 0 <= temp <= F32_MAX:
-        raise _out_of_range(0, i, temp)
+        raise out_of_range(0, i, temp)
     if not 0 < top_p <= 1:
-        raise _out_of_range(1, i, top_p)
+        raise out_of_range(1, i, top_p)
     if not 0 <= min_p <= 1:
-        raise _out_of_range(3, i, min_p)
+        raise out_of_range(3, i, min_p)
     if top_k != -1 and not 1 <= top_k <= TOP_K_ALL:
-        raise _out_of_range(2, i, top_k)
-    bias = None if raw[5] is None else _bias(i, raw[5])
+        raise out_of_range(2, i, top_k)
+    bias = None if raw[5] is None else check_bias(i, raw[5])
     if temp < GREEDY_EPS:
         temp, top_k = 1.0, 1
     elif top_k == -1:
@@ -274,7 +183,7 @@ def _pack_small(
         if fast:
             flags = (top_k == 1) | (top_p != 1.0) << 1 | (top_k != TOP_K_ALL) << 2 | (min_p != 0) << 3
             values: tuple[Any, ...] = (temp, top_p, top_k, min_p, DEFAULT_SEED if seed is None else seed, flags)
-            bias = None if raw_bias is None else _bias(i, raw_bias)
+            bias = None if raw_bias is None else check_bias(i, raw_bias)
         else:
             values, bias = _row_checked(i, (temp, top_p, top_k, min_p, seed, raw_bias))
         try:
@@ -302,17 +211,17 @@ def _first_bad(grid: np.ndarray[Any, Any], top_k: list[Any]) -> SamplingParamErr
     i = int(np.flatnonzero(bad[row])[0])
     # top_k: the int as given, not its double; the others a number of the host grid
     value = top_k[i] if row == 2 else grid[row, i].item()  # sync-ok: a numpy host array, no device read
-    return _out_of_range(row, i, value)
+    return out_of_range(row, i, value)
 
 
 def _grid_checked(
     temp: list[Any], top_p: list[Any], top_k: list[Any], min_p: list[Any], seeds: list[Any] | None
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] | None, list[Any]]:
-    """The checked conversion: (grid, seeds, top_k as exact ints), each value through ``_scalar``,
+    """The checked conversion: (grid, seeds, top_k as exact ints), each value through ``scalar``,
     fields in the order the errors name them (temperature, top_p, min_p, top_k, sampling_seed)."""
-    temp, top_p, min_p = (_checked(f, c, False) for f, c in (("temperature", temp), ("top_p", top_p), ("min_p", min_p)))
-    top_k = _checked("top_k", top_k, True)
-    wide = None if seeds is None else np.array(_checked("sampling_seed", seeds, True), np.int64)
+    temp, top_p, min_p = (checked(f, c, False) for f, c in (("temperature", temp), ("top_p", top_p), ("min_p", min_p)))
+    top_k = checked("top_k", top_k, True)
+    wide = None if seeds is None else np.array(checked("sampling_seed", seeds, True), np.int64)
     return np.array([temp, top_p, top_k, min_p], np.float64), wide, top_k
 
 
@@ -325,10 +234,10 @@ def _pack_vectorised(
     except AttributeError:
         if SamplingParams in set(map(type, objs)):  # pinpool's own params have no 'sampling_seed'
             return _pack_small(objs, out, seeds)
-        raise _missing_field(objs, next(f for f in fields if not all(hasattr(o, f) for o in objs))) from None
+        raise missing_field(objs, next(f for f in fields if not all(hasattr(o, f) for o in objs))) from None
     grid, ints, top_k_ints = _read_columns(columns, seeds)
     _check_and_normalise(grid, top_k_ints)
-    biases = _biases(columns[-1])  # checked too, before anything is written
+    biases = check_biases(columns[-1])  # checked too, before anything is written
     rec = np.empty(len(objs), RECORD_DTYPE) if out is None else out
     _write_records(rec, grid, ints, biases, fresh=out is None)
     return rec, biases
@@ -349,7 +258,7 @@ def _read_columns(columns: list[list[Any]], seeds: bool) -> tuple[Any, Any, Any]
     buf = np.empty((7, n), np.float64)
     grid = buf[:5]
     ints = np.ndarray((2, n), np.int64, buf, 40 * n)
-    seed_l = [DEFAULT_SEED if s is None else s for s in columns[4]] if seeds else []  # as _scalar's default
+    seed_l = [DEFAULT_SEED if s is None else s for s in columns[4]] if seeds else []  # as scalar's default
     float_kinds = [*map(type, temp_l), *map(type, top_p_l), *map(type, min_p_l)]
     int_kinds = [*map(type, top_k_l), *map(type, seed_l)]
     plain = (float_kinds.count(float) == 3 * n or set(float_kinds) <= _FLOAT_KINDS) and int_kinds.count(int) == len(
