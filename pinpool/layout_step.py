@@ -1,8 +1,7 @@
 """``LayoutStep``: one step of a declared layout in a claimed slot, for the ``Stage`` that holds it.
 
 It tracks which input fields the step wrote (each must be, every step: the slot still holds
-an older step's values), writes the padding rows once, and keeps this step's landing
-address columns, which a prebuilt host image must not overwrite.
+an older step's values) and writes the padding rows once.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from pinpool.encode import NUMPY_DTYPE, PACKERS, as_source, packer_for, write
+from pinpool.encode import NUMPY_DTYPE, as_source, write
 from pinpool.exceptions import PoolStateError, StagingTypeError, StagingValueError
 from pinpool.layout import HostImage, Layout
 from pinpool.slot import Placed, SlotMemory
@@ -22,14 +21,12 @@ from pinpool.slot import Placed, SlotMemory
 class LayoutStep:
     """``layout`` at ``rows`` padded rows, ``live`` of them real, placed in slot memory ``mem``."""
 
-    __slots__ = ("columns", "layout", "live", "mem", "padded", "placed", "rows", "written")
+    __slots__ = ("layout", "live", "mem", "padded", "placed", "rows", "written")
 
     def __init__(self, layout: Layout, rows: int, live: int, mem: SlotMemory, placed: Placed) -> None:
         self.layout, self.rows, self.live, self.mem, self.placed = layout, rows, live, mem, placed
         self.written = 0  # bit i: input field i was written this step
         self.padded = False
-        #: (first byte in the slab, address column) of each landing field this step.
-        self.columns: list[tuple[int, bytes]] = []
 
     def put(self, name: str, values: Any) -> None:
         """Field ``name``'s live rows from ``values``: converted exactly, or refused with the field as it was."""
@@ -37,10 +34,9 @@ class LayoutStep:
         if spec is None:
             self.input_field(name)  # raises: an unknown field, or a landing
             return
-        i, at, dtype = spec
+        i, at, dtype, packer = spec
         live = self.live
-        packer = (PACKERS.get((dtype, live)) or packer_for(dtype, live)) if type(values) is list else None
-        if packer is not None and len(values) == live:
+        if packer is not None and type(values) is list and len(values) == live:
             try:
                 # Packed aside (pack_into may write part of the field before it raises): a
                 # refused put leaves the field's earlier values, as the general path does.
@@ -83,7 +79,7 @@ class LayoutStep:
             )
         mem = self.mem
         mem.host_bytes[mem.host_base : mem.host_base + data.nbytes] = data  # type: ignore[call-overload]
-        for at, column in self.columns:  # the image holds no addresses: this step's go back over it
+        for at, column, _ in self.placed.landed:  # the image holds no addresses: this step's go back over it
             mem.host_bytes[at : at + len(column)] = column
         self.written, self.padded = layout.all_written, True
 
@@ -107,12 +103,11 @@ class LayoutStep:
         return i
 
 
-def landing_index(step: LayoutStep | None, name: str) -> int:
-    """Which of the step's layout's landings field ``name`` is (a typed error when it is none, or no layout)."""
-    i = step.layout.field(name) if step is not None else None  # an undeclared name: its own typed error
-    if step is None or i not in step.layout.landings:
-        raise StagingValueError(f"'name' must be a landing field of this stage's layout (got {name!r})")
-    return step.layout.landings.index(i)
+def no_landing(step: LayoutStep | None, name: str) -> StagingValueError:
+    """The error for asking a landing of ``name``, which is none of the step's layout's landings."""
+    if step is not None:
+        step.layout.field(name)  # an undeclared name: its own typed error
+    return StagingValueError(f"'name' must be a landing field of this stage's layout (got {name!r})")
 
 
 def no_layout(name: str) -> StagingTypeError:

@@ -34,17 +34,25 @@ class Readback:
         tokens = handle.tolist()              # sync-ok: waits only if the copy has not landed
     """
 
-    __slots__ = ("_fence", "_host", "_landed_seen", "_pool", "generation", "slot")
-    #: Whether the fence covers the values: always for a copy; a ``Landing`` once its stage closed.
-    armed = True
+    __slots__ = ("_fence", "_host", "_landed_seen", "_pool", "armed", "generation", "slot")
 
-    def __init__(self, pool: SlotReads, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any]):
+    def __init__(
+        self,
+        pool: SlotReads,
+        slot: int,
+        generation: int,
+        fence: Fence,
+        host: np.ndarray[Any, Any],
+        armed: bool = True,
+    ) -> None:
         self._pool = pool
         self.slot = slot
         self.generation = generation
         self._fence = fence
         self._host = host
         self._landed_seen = False  # a fence once passed stays passed (until the slot is recycled)
+        #: Whether the fence covers the values: always for a copy; a ``Landing`` once its stage closed.
+        self.armed = armed
 
     @property
     def size(self) -> int:
@@ -88,11 +96,8 @@ class Landing(Readback):
     """Values a kernel stores straight into a stage's slot through UVA (``Field.landing``, ``Stage.land``).
 
     The fence covers them once the stage closes successfully (``armed``): reading before that, or
-    after an aborted stage, raises ``PoolStateError``. Then it reads like a ``Readback``.
+    after an aborted stage, raises ``PoolStateError``. Then it reads like a ``Readback``. Made unarmed
+    (``armed=False``); the stage's successful close arms it.
     """
 
-    __slots__ = ("armed",)
-
-    def __init__(self, pool: SlotReads, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any]):
-        super().__init__(pool, slot, generation, fence, host)
-        self.armed = False  # set by the stage's successful close
+    __slots__ = ()

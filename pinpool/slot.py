@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pinpool.cache import BoundedCache
-from pinpool.encode import NUMPY_DTYPE, write
+from pinpool.encode import NUMPY_DTYPE, PACKERS, packer_for, write
 from pinpool.exceptions import CapacityError, DeviceMismatchError, PoolStateError
 from pinpool.layout import LANDING_ITEMSIZE, Layout, align_up, landing_column
 from pinpool.platform import PlatformReport
@@ -125,13 +125,13 @@ class SlotMemory:
         return pair[1], pair[2]
 
     def placed(
-        self, layout: Layout, rows: int, dst: torch.Tensor, block_views: BlockViews, capacity: int, keep: bool
+        self, layout: Layout, rows: int, live: int, dst: torch.Tensor, block: BlockViews, capacity: int, keep: bool
     ) -> Placed:
-        """``layout`` for ``rows`` rows placed at ``dst`` (or a block's ``views``), kept if ``keep``."""
-        key = ("layout", id(layout), id(dst), rows)  # ids: the entry holds both, so neither id is reused
+        """``layout`` for ``rows`` rows, ``live`` real, placed at ``dst`` (or a ``block``'s views), kept if ``keep``."""
+        key = ("layout", id(layout), id(dst), rows, live)  # ids: the entry holds both, so neither id is reused
         placed: Placed | None = self.views.get(key) if keep else None
         if placed is None:
-            placed = Placed(layout, rows, self, dst, block_views(rows) if block_views is not None else None)
+            placed = Placed(layout, rows, live, self, dst, block(rows) if block is not None else None)
             if placed.nbytes > capacity:
                 raise CapacityError(
                     f"a layout of {rows} rows needs {placed.nbytes} bytes but the stage has {capacity}; "
@@ -197,22 +197,41 @@ def allocate_slots(
     return host_slab, device_mirror, slots, platform
 
 
+def claim_tail(tail: int, cursor: int, nbytes: int, alignment: int, name: str) -> int:
+    """Where ``nbytes`` claimed below ``tail`` start: landed values fill a slot from its end down, outside the
+    copied bytes (which end at ``cursor``)."""
+    start = (tail - nbytes) // alignment * alignment
+    if start < cursor:
+        raise CapacityError(
+            f"'{name}' needs {nbytes} bytes but the slot has {max(tail - cursor, 0)} left; "
+            "raise PoolSettings.slot_bytes"
+        )
+    return start
+
+
 def typed_view(raw: torch.Tensor, dtype: torch.dtype, start: int, numel: int) -> torch.Tensor:
     """``numel`` ``dtype`` values of uint8 ``raw`` from byte ``start`` (a multiple of the dtype's size)."""
     return raw[start : start + numel * dtype.itemsize].view(dtype)
 
 
 class Placed:
-    """A layout for ``rows`` rows placed in one slot and one destination: views and byte positions, made once.
+    """A layout for ``rows`` rows, ``live`` of them real, placed in one slot and one destination: views, byte
+    positions and landing columns, made once.
 
     A decode step opens the same layout at the same size in the same slot lap after lap: the
     slot keeps this (``SlotMemory.views``), so a step's puts are a dict lookup and a pack.
     """
 
-    __slots__ = ("cursor", "dst", "fields", "host_views", "landings", "layout", "nbytes", "views")
+    __slots__ = ("cursor", "dst", "fields", "host_views", "landed", "landing_of", "layout", "nbytes", "tail", "views")
 
     def __init__(
-        self, layout: Layout, rows: int, mem: SlotMemory, dst: torch.Tensor, views: Mapping[str, torch.Tensor] | None
+        self,
+        layout: Layout,
+        rows: int,
+        live: int,
+        mem: SlotMemory,
+        dst: torch.Tensor,
+        views: Mapping[str, torch.Tensor] | None,
     ) -> None:
         self.layout, self.dst = layout, dst  # held, so the ids in this entry's key stay theirs
         plan = layout.plan(rows)
@@ -222,10 +241,23 @@ class Placed:
         #: A block's own views where the layout lands in one (the tensors a graph captured).
         self.views = dict(views) if views is not None else layout.device_views(dst, rows, plan)
         at = [mem.host_base + off for off in plan.offsets]
-        #: name -> (index, the field's first byte in the slab, dtype), input fields only.
-        self.fields = {f.name: (i, at[i], f.dtype) for i, f in enumerate(layout.fields) if f.lands is None}
-        #: (index, first byte in the slab, landed dtype) of each landing field.
-        self.landings = tuple((i, at[i], layout.fields[i].lands) for i in layout.landings)
+        #: name -> (index, the field's first byte in the slab, dtype, the packer of ``live`` values), inputs only.
+        self.fields = {
+            f.name: (i, at[i], f.dtype, PACKERS.get((f.dtype, live)) or packer_for(f.dtype, live))
+            for i, f in enumerate(layout.fields)
+            if f.lands is None
+        }
+        #: Per landing field: (its first byte in the slab, its address column, the landed values' host view).
+        landed = []
+        self.tail = mem.nbytes
+        for i in layout.landings:
+            name, dtype = layout.fields[i].name, layout.fields[i].lands
+            assert dtype is not None
+            self.tail = claim_tail(self.tail, self.cursor, live * LANDING_ITEMSIZE[dtype], mem.alignment, name)
+            landed.append((at[i], *mem.landing(self.tail, live, dtype)))
+        self.landed: tuple[tuple[int, bytes, np.ndarray[Any, Any]], ...] = tuple(landed)
+        #: landing field name -> its place among the stage's landings.
+        self.landing_of = {layout.fields[i].name: k for k, i in enumerate(layout.landings)}
 
     def pad(self, live: int) -> None:
         """Write every field's padding rows (``live`` onwards) in the slot."""

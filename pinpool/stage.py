@@ -23,10 +23,10 @@ from pinpool.exceptions import (
     StaleLeaseError,
 )
 from pinpool.layout import LANDING_ITEMSIZE, VIEW_LIFETIME, HostImage, Layout, align_up, landing_itemsize
-from pinpool.layout_step import LayoutStep, landing_index, no_layout
+from pinpool.layout_step import LayoutStep, no_landing, no_layout
 from pinpool.placement import ABORTED, CLOSED, FLUSHED, IN_PLACE, OPEN, OWNED, RING, BlockSide, Placement, RingSide
 from pinpool.readback import Landing, Readback
-from pinpool.slot import SlotMemory, typed_view
+from pinpool.slot import SlotMemory, claim_tail, typed_view
 from pinpool.transport import Stream
 
 _ITEMSIZE = {d: d.itemsize for d in [*NUMPY_DTYPE, torch.bfloat16]}
@@ -259,9 +259,9 @@ class Stage:
             self._ring._check_can_land()  # raises, saying why
         if not int_in_range(numel, 0):
             raise StagingValueError(f"'numel' must be an int >= 0 (got {numel!r})")
-        itemsize = landing_itemsize(dtype)
+        landing_itemsize(dtype)  # a typed error for a dtype no landing carries
         before = self.tail, self._cursor, self.used_bytes, self.landing_bytes
-        handle, column = self._new_landing(self._claim_tail(numel * itemsize, "landing"), numel, dtype)
+        handle, column = self._new_landing(numel, dtype)
         try:
             at, mem = self._cursor, self._mem
             if at + len(column) <= min(self.capacity, self.tail):
@@ -306,17 +306,18 @@ class Stage:
         """Claim ``layout`` for ``rows`` rows, ``live`` of them real, and its landings (the ring checked the counts)."""
         mem = self._mem
         block_views = self._block.views if self._block is not None else None
-        placed = mem.placed(layout, rows, self.dst, block_views, self.capacity, keep=self.placement is not OWNED)
-        self._step = step = LayoutStep(layout, rows, live, mem, placed)
+        keep = self.placement is not OWNED
+        placed = mem.placed(layout, rows, live, self.dst, block_views, self.capacity, keep)
+        self._step = LayoutStep(layout, rows, live, mem, placed)
         self.used_bytes, self._cursor = placed.nbytes, placed.cursor
-        for i, at, dtype in placed.landings:
-            start = self._claim_tail(live * LANDING_ITEMSIZE[dtype], layout.fields[i].name)
-            column = self._new_landing(start, live, dtype)[1]
-            mem.host_bytes[at : at + len(column)] = column
-            step.columns.append((at, column))
+        if placed.landed:
+            self.tail, self.landing_bytes = placed.tail, True
+            for at, column, values in placed.landed:
+                self._landings.append(Landing(self._ring, self.slot, self.generation, mem.fence, values, False))
+                mem.host_bytes[at : at + len(column)] = column
         if self.placement is IN_PLACE and live < rows:
             placed.pad(live)  # read in place from the moment they are handed out
-            step.padded = True
+            self._step.padded = True
 
     def host(self, name: str) -> np.ndarray[Any, Any]:
         """Field ``name``'s live rows in the pinned slot, to fill in place before the copy (counts as written)."""
@@ -336,7 +337,10 @@ class Stage:
 
     def landing(self, name: str) -> Landing:
         """The handle that reads landing field ``name``'s values after a successful close."""
-        return self._landings[landing_index(self._step, name)]
+        k = self._step.placed.landing_of.get(name) if self._step is not None else None
+        if k is None:
+            raise no_landing(self._step, name)
+        return self._landings[k]
 
     def _advance(self, start: int, dtype: torch.dtype, numel: int, nbytes: int) -> torch.Tensor:
         """Commit a claim of ``nbytes`` at ``start``: its device view, and the cursor past it."""
@@ -347,21 +351,13 @@ class Stage:
         hit = self._mem.views.get((id(self.dst), dtype, start, numel))  # the lookup inline: one call less a put
         return hit[1] if hit is not None else self._mem.device_view(self.dst, dtype, start, numel)
 
-    def _claim_tail(self, nbytes: int, name: str) -> int:
-        align = self._mem.alignment
-        start = (self.tail - nbytes) // align * align
-        if start < self._cursor:
-            raise CapacityError(
-                f"'{name}' needs {nbytes} bytes but the slot has {max(self.tail - self._cursor, 0)} left; "
-                "raise PoolSettings.slot_bytes"
-            )
+    def _new_landing(self, numel: int, dtype: torch.dtype) -> tuple[Landing, bytes]:
+        """The handle of ``numel`` landed ``dtype`` values claimed below the tail, and their address column."""
+        mem = self._mem
+        start = claim_tail(self.tail, self._cursor, numel * LANDING_ITEMSIZE[dtype], mem.alignment, "landing")
         self.tail, self.landing_bytes = start, True
-        return start
-
-    def _new_landing(self, start: int, numel: int, dtype: torch.dtype) -> tuple[Landing, bytes]:
-        """The handle of ``numel`` landed ``dtype`` values at ``start`` of the slot, and their address column."""
-        column, values = self._mem.landing(start, numel, dtype)
-        handle = Landing(self._ring, self.slot, self.generation, self._mem.fence, values)
+        column, values = mem.landing(start, numel, dtype)
+        handle = Landing(self._ring, self.slot, self.generation, mem.fence, values, False)
         self._landings.append(handle)
         return handle, column
 
