@@ -7,7 +7,6 @@ an older step's values) and writes the padding rows once.
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any
 
 import numpy as np
@@ -29,24 +28,15 @@ class LayoutStep:
         self.padded = False
 
     def put(self, name: str, values: Any) -> None:
-        """Field ``name``'s live rows from ``values``: converted exactly, or refused with the field as it was."""
+        """Field ``name``'s live rows from ``values``: converted exactly, or refused with the field as it was.
+
+        ``Stage.put`` packs a list of the live count with the field's packer first; this is the rest."""
         spec = self.placed.fields.get(name)
         if spec is None:
             self.input_field(name)  # raises: an unknown field, or a landing
             return
-        i, at, dtype, packer = spec
+        i, _, dtype, _ = spec
         live = self.live
-        if packer is not None and type(values) is list and len(values) == live:
-            try:
-                # Packed aside (pack_into may write part of the field before it raises): a
-                # refused put leaves the field's earlier values, as the general path does.
-                packed = packer.pack(*values)
-            except (struct.error, TypeError, OverflowError):
-                pass  # the general path converts or raises typed
-            else:
-                self.mem.host_bytes[at : at + len(packed)] = packed
-                self.written |= 1 << i
-                return
         src, _, shape = as_source(values, dtype, name)
         if math.prod(shape) != live:
             raise StagingValueError(f"'{name}' must hold {live} values, one per live row (got shape {shape})")

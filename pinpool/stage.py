@@ -22,7 +22,7 @@ from pinpool.exceptions import (
     StagingValueError,
     StaleLeaseError,
 )
-from pinpool.layout import LANDING_ITEMSIZE, VIEW_LIFETIME, HostImage, Layout, align_up, landing_itemsize
+from pinpool.layout import VIEW_LIFETIME, HostImage, Layout, align_up, landing_itemsize
 from pinpool.layout_step import LayoutStep, no_landing, no_layout
 from pinpool.placement import ABORTED, CLOSED, FLUSHED, IN_PLACE, OPEN, OWNED, RING, BlockSide, Placement, RingSide
 from pinpool.readback import Landing, Readback
@@ -195,11 +195,21 @@ class Stage:
         the slot, converted exactly or refused before the stage advances; return their device view."""
         if self.state is not OPEN:
             self._check_open()
-        if type(values) is str:
-            if self._step is None:
-                raise no_layout(values)
-            self._step.put(values, dtype)
-            return None
+        if type(values) is str:  # a layout field's live rows: put("rows", [...])
+            field, rows, step = values, dtype, self._step
+            if step is None:
+                raise no_layout(field)
+            spec = step.placed.fields.get(field)  # (index, first byte, dtype, packer of the live count)
+            if spec is not None and spec[3] is not None and type(rows) is list and len(rows) == step.live:
+                try:  # packed aside: a refused put leaves the field's earlier values, as the general path does
+                    packed = spec[3].pack(*rows)
+                except (struct.error, TypeError, OverflowError):
+                    pass  # not exact as struct packs it: the general path converts or raises typed
+                else:
+                    self._mem.host_bytes[spec[1] : spec[1] + len(packed)] = packed
+                    step.written |= 1 << spec[0]
+                    return None
+            return step.put(field, rows)
         if type(values) is list and type(dtype) is torch.dtype:
             # A scheduler's per-request list: struct checks each element (ints in range,
             # floats that fit) and packs it straight into the slot.
@@ -259,11 +269,15 @@ class Stage:
             self._ring._check_can_land()  # raises, saying why
         if not int_in_range(numel, 0):
             raise StagingValueError(f"'numel' must be an int >= 0 (got {numel!r})")
-        landing_itemsize(dtype)  # a typed error for a dtype no landing carries
+        mem, nbytes = self._mem, numel * landing_itemsize(dtype)  # a typed error for a dtype no landing carries
         before = self.tail, self._cursor, self.used_bytes, self.landing_bytes
-        handle, column = self._new_landing(numel, dtype)
+        self.tail = claim_tail(self.tail, self._cursor, nbytes, mem.alignment, "landing")  # the values, below the tail
+        self.landing_bytes = True
+        column, values = mem.landing(self.tail, numel, dtype)
+        handle = Landing(self._ring, self.slot, self.generation, mem.fence, values, False)
+        self._landings.append(handle)
         try:
-            at, mem = self._cursor, self._mem
+            at = self._cursor
             if at + len(column) <= min(self.capacity, self.tail):
                 mem.host_bytes[mem.host_base + at : mem.host_base + at + len(column)] = column
                 addresses = self._advance(at, torch.int64, numel, len(column))
@@ -350,16 +364,6 @@ class Stage:
             return typed_view(self.dst, dtype, start, numel)
         hit = self._mem.views.get((id(self.dst), dtype, start, numel))  # the lookup inline: one call less a put
         return hit[1] if hit is not None else self._mem.device_view(self.dst, dtype, start, numel)
-
-    def _new_landing(self, numel: int, dtype: torch.dtype) -> tuple[Landing, bytes]:
-        """The handle of ``numel`` landed ``dtype`` values claimed below the tail, and their address column."""
-        mem = self._mem
-        start = claim_tail(self.tail, self._cursor, numel * LANDING_ITEMSIZE[dtype], mem.alignment, "landing")
-        self.tail, self.landing_bytes = start, True
-        column, values = mem.landing(start, numel, dtype)
-        handle = Landing(self._ring, self.slot, self.generation, mem.fence, values, False)
-        self._landings.append(handle)
-        return handle, column
 
     def _issue(self) -> None:
         """Padding, the block's ordering, the one copy: OPEN -> FLUSHED."""

@@ -113,3 +113,27 @@ def test_the_fast_paths_land_what_the_general_path_lands(dtype: torch.dtype) -> 
     for other in landed[1:]:
         assert torch.equal(other, first)
     assert first.numpy().tobytes() == values.tobytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.float64, torch.int8])
+def test_a_layout_field_lands_the_same_from_its_packer_and_from_the_general_path(dtype: torch.dtype) -> None:
+    """Catches ``Stage.put``'s packer for a layout field's list drifting from the general path (a tuple, an
+    array) on the same values, or either writing the padding rows or another field's bytes."""
+    from pinpool import Field, Layout
+
+    rng = np.random.default_rng(1)
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    values = (rng.integers(-100, 100, 5) if np_dtype.kind in "iu" else rng.normal(size=5)).astype(np_dtype)
+    layout = Layout([Field("before", torch.int8, pad=-1), Field("x", dtype, pad=3), Field("after", torch.int64)], 8)
+    p = pool()
+    landed = []
+    for form in (values.tolist(), tuple(values.tolist()), values):
+        with p.stage(layout, rows=7, live=5) as st:
+            st.put("before", [1] * 5)
+            st.put("x", form)
+            st.put("after", [2] * 5)
+        landed.append({name: view.clone() for name, view in st.views.items()})
+    for other in landed[1:]:
+        assert all(torch.equal(other[name], landed[0][name]) for name in landed[0])
+    assert landed[0]["x"][:5].numpy().tobytes() == values.tobytes()
+    assert landed[0]["x"][5:].tolist() == [3, 3] and landed[0]["before"][5:].tolist() == [-1, -1]
