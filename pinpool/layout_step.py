@@ -35,7 +35,7 @@ class LayoutStep:
         if spec is None:
             self.input_field(name)  # raises: an unknown field, or a landing
             return
-        i, _, dtype, _ = spec
+        i, _, dtype = spec
         live = self.live
         src, _, shape = as_source(values, dtype, name)
         if math.prod(shape) != live:
@@ -69,8 +69,9 @@ class LayoutStep:
             )
         mem = self.mem
         mem.host_bytes[mem.host_base : mem.host_base + data.nbytes] = data  # type: ignore[call-overload]
-        for at, column, _ in self.placed.landed:  # the image holds no addresses: this step's go back over it
-            mem.host_bytes[at : at + len(column)] = column
+        n = self.live * 8  # the image holds no addresses: this step's go back over it
+        for at, column, _ in self.placed.landed:
+            mem.host_bytes[at : at + n] = column[:n]
         self.written, self.padded = layout.all_written, True
 
     def before_copy(self) -> None:

@@ -3,8 +3,8 @@
 ``SlotMemory`` is the one home of everything per slot: the pinned bytes, their device mirror
 and UVA alias, the slot's fence, the generation of the claim holding it, its last device
 user's stream with the hand-off fence, the objects kept alive until its fence, and the one
-cache of what a step makes at the same bytes lap after lap. ``typed_view`` carves a typed
-view out of uint8 memory.
+cache of what a step makes at the same bytes lap after lap. ``claim_tail`` says where landed
+values go (from the slot's end down); ``typed_view`` carves a typed view out of uint8 memory.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pinpool.cache import BoundedCache
-from pinpool.encode import NUMPY_DTYPE, PACKERS, packer_for, write
+from pinpool.encode import NUMPY_DTYPE, write
 from pinpool.exceptions import CapacityError, DeviceMismatchError, PoolStateError
 from pinpool.layout import LANDING_ITEMSIZE, Layout, align_up, landing_column
 from pinpool.platform import PlatformReport
@@ -125,18 +125,13 @@ class SlotMemory:
         return pair[1], pair[2]
 
     def placed(
-        self, layout: Layout, rows: int, live: int, dst: torch.Tensor, block: BlockViews, capacity: int, keep: bool
+        self, layout: Layout, rows: int, dst: torch.Tensor, block: BlockViews, capacity: int, keep: bool
     ) -> Placed:
-        """``layout`` for ``rows`` rows, ``live`` real, placed at ``dst`` (or a ``block``'s views), kept if ``keep``."""
-        key = ("layout", id(layout), id(dst), rows, live)  # ids: the entry holds both, so neither id is reused
+        """``layout`` for ``rows`` rows placed at ``dst`` (or a ``block``'s views), kept if ``keep``."""
+        key = ("layout", id(layout), id(dst), rows)  # ids: the entry holds both, so neither id is reused
         placed: Placed | None = self.views.get(key) if keep else None
         if placed is None:
-            placed = Placed(layout, rows, live, self, dst, block(rows) if block is not None else None)
-            if placed.nbytes > capacity:
-                raise CapacityError(
-                    f"a layout of {rows} rows needs {placed.nbytes} bytes but the stage has {capacity}; "
-                    "raise PoolSettings.slot_bytes or lower max_rows"
-                )
+            placed = Placed(layout, rows, self, dst, block(rows) if block is not None else None, capacity)
             if keep:
                 self.views.put(key, placed)
         return placed
@@ -215,11 +210,12 @@ def typed_view(raw: torch.Tensor, dtype: torch.dtype, start: int, numel: int) ->
 
 
 class Placed:
-    """A layout for ``rows`` rows, ``live`` of them real, placed in one slot and one destination: views, byte
-    positions and landing columns, made once.
+    """A layout for ``rows`` rows placed in one slot and one destination: views, byte positions and landing
+    columns, made once.
 
     A decode step opens the same layout at the same size in the same slot lap after lap: the
-    slot keeps this (``SlotMemory.views``), so a step's puts are a dict lookup and a pack.
+    slot keeps this (``SlotMemory.views``), so a step's puts are a dict lookup and a pack. Nothing
+    here depends on how many rows are live: a landing's values are claimed for every row.
     """
 
     __slots__ = ("cursor", "dst", "fields", "host_views", "landed", "landing_of", "layout", "nbytes", "tail", "views")
@@ -228,34 +224,37 @@ class Placed:
         self,
         layout: Layout,
         rows: int,
-        live: int,
         mem: SlotMemory,
         dst: torch.Tensor,
         views: Mapping[str, torch.Tensor] | None,
+        capacity: int,
     ) -> None:
         self.layout, self.dst = layout, dst  # held, so the ids in this entry's key stay theirs
         plan = layout.plan(rows)
+        if plan.nbytes > capacity:
+            raise CapacityError(
+                f"a layout of {rows} rows needs {plan.nbytes} bytes but the stage has {capacity}; "
+                "raise PoolSettings.slot_bytes or lower max_rows"
+            )
         self.nbytes = plan.nbytes
         self.cursor = align_up(plan.nbytes, mem.alignment)
         self.host_views = layout.host_views(mem.host[torch.uint8], rows, plan)
         #: A block's own views where the layout lands in one (the tensors a graph captured).
         self.views = dict(views) if views is not None else layout.device_views(dst, rows, plan)
         at = [mem.host_base + off for off in plan.offsets]
-        #: name -> (index, the field's first byte in the slab, dtype, the packer of ``live`` values), inputs only.
-        self.fields = {
-            f.name: (i, at[i], f.dtype, PACKERS.get((f.dtype, live)) or packer_for(f.dtype, live))
-            for i, f in enumerate(layout.fields)
-            if f.lands is None
-        }
-        #: Per landing field: (its first byte in the slab, its address column, the landed values' host view).
+        #: name -> (index, the field's first byte in the slab, dtype), input fields only.
+        self.fields = {f.name: (i, at[i], f.dtype) for i, f in enumerate(layout.fields) if f.lands is None}
+        #: Per landing field: (its first byte in the slab, its address column, the landed values' host view),
+        #: for every row; a step writes and reads its live ones.
         landed = []
         self.tail = mem.nbytes
         for i in layout.landings:
             name, dtype = layout.fields[i].name, layout.fields[i].lands
             assert dtype is not None
-            self.tail = claim_tail(self.tail, self.cursor, live * LANDING_ITEMSIZE[dtype], mem.alignment, name)
-            landed.append((at[i], *mem.landing(self.tail, live, dtype)))
-        self.landed: tuple[tuple[int, bytes, np.ndarray[Any, Any]], ...] = tuple(landed)
+            self.tail = claim_tail(self.tail, self.cursor, rows * LANDING_ITEMSIZE[dtype], mem.alignment, name)
+            column, values = mem.landing(self.tail, rows, dtype)
+            landed.append((at[i], memoryview(column), values))
+        self.landed: tuple[tuple[int, memoryview, np.ndarray[Any, Any]], ...] = tuple(landed)
         #: landing field name -> its place among the stage's landings.
         self.landing_of = {layout.fields[i].name: k for k, i in enumerate(layout.landings)}
 

@@ -199,15 +199,17 @@ class Stage:
             field, rows, step = values, dtype, self._step
             if step is None:
                 raise no_layout(field)
-            spec = step.placed.fields.get(field)  # (index, first byte, dtype, packer of the live count)
-            if spec is not None and spec[3] is not None and type(rows) is list and len(rows) == step.live:
+            spec = step.placed.fields.get(field)  # (index, first byte in the slab, dtype)
+            if spec is not None and type(rows) is list and len(rows) == step.live:
+                i, at, field_dtype = spec
+                packer = PACKERS.get((field_dtype, step.live)) or packer_for(field_dtype, step.live)
                 try:  # packed aside: a refused put leaves the field's earlier values, as the general path does
-                    packed = spec[3].pack(*rows)
+                    packed = packer.pack(*rows) if packer is not None else None  # None: a dtype struct lacks
                 except (struct.error, TypeError, OverflowError):
-                    pass  # not exact as struct packs it: the general path converts or raises typed
-                else:
-                    self._mem.host_bytes[spec[1] : spec[1] + len(packed)] = packed
-                    step.written |= 1 << spec[0]
+                    packed = None  # not exact as struct packs it: the general path converts or raises typed
+                if packed is not None:
+                    self._mem.host_bytes[at : at + len(packed)] = packed
+                    step.written |= 1 << i
                     return None
             return step.put(field, rows)
         if type(values) is list and type(dtype) is torch.dtype:
@@ -321,14 +323,14 @@ class Stage:
         mem = self._mem
         block_views = self._block.views if self._block is not None else None
         keep = self.placement is not OWNED
-        placed = mem.placed(layout, rows, live, self.dst, block_views, self.capacity, keep)
+        placed = mem.placed(layout, rows, self.dst, block_views, self.capacity, keep)
         self._step = LayoutStep(layout, rows, live, mem, placed)
         self.used_bytes, self._cursor = placed.nbytes, placed.cursor
         if placed.landed:
-            self.tail, self.landing_bytes = placed.tail, True
+            self.tail, self.landing_bytes, n = placed.tail, True, live * 8  # int64 addresses
             for at, column, values in placed.landed:
-                self._landings.append(Landing(self._ring, self.slot, self.generation, mem.fence, values, False))
-                mem.host_bytes[at : at + len(column)] = column
+                self._landings.append(Landing(self._ring, self.slot, self.generation, mem.fence, values[:live], False))
+                mem.host_bytes[at : at + n] = column[:n]  # padding rows hold 0 (their pad): they store nothing
         if self.placement is IN_PLACE and live < rows:
             placed.pad(live)  # read in place from the moment they are handed out
             self._step.padded = True

@@ -206,6 +206,38 @@ def test_a_layout_larger_than_the_slot_is_a_capacity_error_even_when_the_pool_sp
     assert st.views["x"].tolist() == list(range(100))
 
 
+@pytest.mark.parametrize("owned", [None, 64], ids=["ring", "owned-64-bytes"])
+def test_a_layout_with_a_landing_that_does_not_fit_names_the_layout_and_the_stage(owned: int | None) -> None:
+    """Catches the landing's tail claim answering first for a layout that does not fit its stage (an
+    error about the landing, or about the slot where the owned buffer is the limit), or a refused
+    open that claims a slot."""
+    big = Layout([Field("x", torch.int64), Field.landing("tokens")], 200)
+    pool = cpu_pool()
+    limit = 64 if owned else SLOT_BYTES
+    with pytest.raises(CapacityError, match=rf"a layout of 100 rows needs \d+ bytes but the stage has {limit}"):
+        pool.stage(big, rows=100, owned=owned)
+    assert pool.stats().copies == 0 and pool.stats().stages == 0
+
+
+def test_a_landing_reads_its_live_rows_and_its_padding_rows_store_nothing() -> None:
+    """Catches a landing whose handle reads more or fewer than the live rows, padding rows whose
+    address column is not 0 (a writer would store through it), or a step whose live count changes
+    the layout's bytes in the slot (a landing's values are claimed for every row)."""
+    pool = cpu_pool(num_slots=2)
+    tails = set()
+    for live in (4, 1, 0, 3):
+        with pool.stage(STEP, rows=4, live=live) as st:
+            st.put("rows", list(range(live)))
+            st.put("pos", [7] * live)
+            st.flush()
+            addresses = st.views["tokens"]
+            assert addresses[live:].tolist() == [0] * (4 - live)
+            land_reference(torch.arange(100, 104), addresses)
+            tails.add(st.tail)
+        assert st.landing("tokens").tolist() == list(range(100, 100 + live))
+    assert len(tails) == 1
+
+
 # -- values on the CPU path -------------------------------------------------------------------
 def test_views_and_landings_hold_each_steps_own_values_and_padding() -> None:
     """Catches a field packed at the wrong offset or dtype, another layout's views handed back for a
