@@ -16,7 +16,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-SITES = ("decode.upload", "decode.readback", "read", "prefill.sampling_info", "prefill.write_cache")
+SITES = (
+    "decode.upload",
+    "decode.readback",
+    "read",
+    "filter",
+    "prefill.sampling_info",
+    "prefill.write_cache",
+    "prefill.merge",
+    "prefill.upload",
+    "prefill.readback",
+)
 
 
 def _child(tree: str, running: int) -> None:
@@ -51,12 +61,12 @@ def main() -> int:
         _child(args.child[0], int(args.child[1]))
         return 0
     here, old = str(Path(__file__).resolve().parents[2]), str(Path(args.old).resolve())
-    print("tree  round  " + "  ".join(f"{s:>12}" for s in (*SITES, "total")) + "   (host µs per decode step)")
+    print("host µs per decode step, by staging site; columns: " + ", ".join((*SITES, "total")))
     for r in range(args.rounds):
         for name, tree in (("old", old), ("new", here)):
             cmd = [sys.executable, __file__, "--child", tree, str(args.running)]
             line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-            print(f"{name:>4}  {r:>5}  " + "  ".join(f"{v:>12}" for v in line.split()))
+            print(f"{name:>4}  round {r}  " + "  ".join(f"{v:>6}" for v in line.split()))
     return 0
 
 
