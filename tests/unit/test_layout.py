@@ -238,6 +238,21 @@ def test_a_landing_reads_its_live_rows_and_its_padding_rows_store_nothing() -> N
     assert len(tails) == 1
 
 
+def test_a_placed_layout_is_kept_per_row_count_whatever_the_live_count() -> None:
+    """Catches a placed layout keyed by the live count too: a graph loop whose live count changes every
+    step would fill and empty its slots' caches, rebuilding the layout's views nearly every step."""
+    pool = cpu_pool(num_slots=2)
+    placed = []  # held, so that no two of them can share an id
+    for live in range(MAX_ROWS + 1):
+        with pool.stage(STEP, rows=MAX_ROWS, live=live) as st:
+            st.put("rows", [0] * live)
+            st.put("pos", [0] * live)
+            st.flush()
+        assert st._step is not None
+        placed.append(st._step.placed)
+    assert len({id(p) for p in placed}) == 2  # one per slot
+
+
 # -- values on the CPU path -------------------------------------------------------------------
 def test_views_and_landings_hold_each_steps_own_values_and_padding() -> None:
     """Catches a field packed at the wrong offset or dtype, another layout's views handed back for a
