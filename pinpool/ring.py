@@ -1,7 +1,4 @@
-"""``PinnedRingBuffer``: persistent pinned host slots and their device mirror, as a user calls them.
-
-The slots' state and the rules of their reuse live in ``SlotRing`` (slot_ring.py).
-"""
+"""``PinnedRingBuffer``: persistent pinned host slots and their device mirror, as a user calls them."""
 
 from __future__ import annotations
 
@@ -23,20 +20,11 @@ _log = get_logger("pinpool")
 
 
 class PinnedRingBuffer(SlotRing):
-    """A ring of ``num_slots`` reusable staging slots for one device.
-
-    Example::
-
-        pool = PinnedRingBuffer(PoolSettings(device="cuda:0", num_slots=4))
-        with pool.stage() as st:            # stream fixed now: the current one
-            temps = st.put([0.7, 1.0], torch.float32)
-        # one copy landed both values; ``temps`` stays valid for 3 more claims
-
-    One pool per worker process and device; not thread-safe (``debug=True`` checks the thread).
-    """
+    """A ring of ``num_slots`` reusable staging slots for one device: one pool per worker process and device,
+    not thread-safe (``debug=True`` checks the thread). The slots' state and rules live in ``SlotRing``."""
 
     def __init__(self, settings: PoolSettings | None = None, *, transport: Transport | None = None) -> None:
-        """Allocate all the memory the pool will use. ``transport``: tests pass ``pinpool.testing.LaggingGpu``."""
+        """Allocate all the memory the pool will use (``transport``: tests pass ``pinpool.testing.LaggingGpu``)."""
         super().__init__(settings, transport)
         settings = self.settings
         _log.info(

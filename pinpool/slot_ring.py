@@ -1,17 +1,10 @@
-"""``SlotRing``: a ring's slots, their state and the rules of their reuse, each kept in one place.
+"""``SlotRing``: the slots and the rules of their reuse, the package's side of ``PinnedRingBuffer`` (ring.py).
 
-This is the package's side of ``PinnedRingBuffer`` (ring.py holds what a user calls): the slot
-interface that stages, blocks and read-back handles use. A slot's state lives in its
-``SlotMemory`` (slot.py); the rules:
 1. the host rewrites a slot only after its fence has passed (``_claim``);
-2. a slot's device copy is rewritten only after its readers on any stream (the previous user's, the
-   registered consumers'), waited for on the device (``_claim``);
-3. one copy per stage (``_issue_copy``), the slot's fence after it (``_finish``);
-4. owned, block and in-place placements land where the stage says (stage.py);
-5. ``retain`` keeps objects alive until the slot's next fence has passed;
-6. read-backs take a slot like a stage (``PinnedRingBuffer.readback``, ``Stage.readback``);
-7. on a CPU pool the same rules run on plain memory, with synchronous copies;
-8. every CUDA call runs under the pool's device (the transport's job).
+2. a slot's device copy is rewritten only after its readers on any stream are waited for on the device (``_claim``);
+3. one copy per stage (``_issue_copy``), the slot's fence after what may still read or write it (``_finish``);
+4. ``retain`` keeps objects alive until the slot's next fence; read-backs take a slot like a stage;
+5. a CPU pool runs the same rules on plain memory; every CUDA call runs under the pool's device (the transport).
 """
 
 from __future__ import annotations
@@ -50,7 +43,6 @@ class SlotRing:
     """The slots of one device's ring and the rules of their reuse; a user holds the ``PinnedRingBuffer``."""
 
     def __init__(self, settings: PoolSettings | None, transport: Transport | None) -> None:
-        """The ring's state, and all the memory it will use, made once."""
         if settings is not None and not isinstance(settings, PoolSettings):
             raise SettingsTypeError(
                 f"'settings' must be a PoolSettings or None (got {settings!r}); e.g. PoolSettings(device='cpu')"
@@ -61,17 +53,15 @@ class SlotRing:
             raise DeviceMismatchError(
                 f"'transport' must serve the settings' device {settings.device} (got {self._transport.device})"
             )
-        self._resolve_for_stage = self._transport.resolve_for_stage  # the stage's stream, and whether it is capturing
+        self._resolve_for_stage = self._transport.resolve_for_stage
         self._num_slots = settings.num_slots
         self._debug = settings.debug
         self.host_slab, self.device_mirror, self._slots, self.platform = allocate_slots(self._transport, settings)
-        self._consumers: list[tuple[Stream, list[Fence]]] = []
-        #: Streams teardown waits for besides the slots' last users and the consumers.
-        self._teardown_streams: list[Stream] = []
+        self._consumers: list[tuple[Stream, list[Fence]]] = []  # each with one fence per slot
+        self._teardown_streams: list[Stream] = []  # besides the slots' last users and the consumers
         #: Whether kernels may read and write the pinned slots in place (zero-copy stages, landings).
         self.can_land = self._slots[0].alias is not None
-        self._next_slot = 0
-        self._generation = 0
+        self._next_slot = self._generation = 0
         self._open: Stage | None = None
         self._closed = False
         self._owner_thread = threading.get_ident()
@@ -81,17 +71,14 @@ class SlotRing:
     def device(self) -> torch.device:
         return self.settings.device
 
-    # -- what stages, blocks and read-back handles call ------------------------------------
     def slot_generation(self, slot: int) -> int:
         """The generation of the claim that holds ``slot`` now (a lease is live while it matches)."""
         return self._slots[slot].generation
 
     def wait_for_readback(self, fence: Fence) -> None:
         """The host wait of a read whose copy or writer has not finished: counted and timed."""
-        waited = self._host_wait(fence)
-        counters = self._counters
-        counters.readback_waits += 1
-        counters.readback_wait_seconds += waited
+        self._counters.readback_wait_seconds += self._host_wait(fence)
+        self._counters.readback_waits += 1
 
     def _open_stage(
         self,
@@ -114,26 +101,21 @@ class SlotRing:
         if layout is not None:
             if not isinstance(layout, Layout):
                 raise PoolStateError(f"'layout' must be a pinpool.Layout or None (got {type(layout).__name__})")
-            rows = live if rows is None else rows
-            live = rows if live is None else live
+            rows, live = (live if rows is None else rows), (rows if live is None else live)
             if rows is None:
                 raise PoolStateError("a stage with a layout needs 'rows' (or 'live')")
-            layout.check_rows(rows, live)  # typed errors before the claim
-            if layout.landings and not self.can_land:
-                self._check_can_land()
+            if type(rows) is not int or type(live) is not int or not 0 <= live <= rows <= layout.max_rows:
+                layout.check_rows(rows, live)  # raises typed, before the claim
         elif rows is not None or live is not None:
             raise PoolStateError("'rows' and 'live' need a 'layout'")
-        if placement is IN_PLACE and not self.can_land:
-            self._check_can_land()
-        dst: torch.Tensor | None = block_memory
-        if placement is OWNED:
-            dst = self._owned_buffer(owned, None if passed is None else stream)
+        if (placement is IN_PLACE or (layout is not None and layout.landings)) and not self.can_land:
+            raise self.platform.refusal(self.device)  # PoolStateError / PlatformError, saying why
+        dst = self._owned_buffer(owned, None if passed is None else stream) if placement is OWNED else block_memory
         slot = self._claim(stream, placement, writes_mirror=placement is RING)
         mem = self._slots[slot]
         if dst is None:
             dst = mem.alias if placement is IN_PLACE else mem.device_raw
-        assert dst is not None
-        st = Stage(self, mem, slot, self._generation, stream, placement, dst, block)
+        st = Stage(self, mem, slot, self._generation, stream, placement, dst, block)  # type: ignore[arg-type]
         self._open = st
         if layout is not None:
             try:
@@ -148,8 +130,13 @@ class SlotRing:
         nbytes = st.used_bytes
         if nbytes == 0:
             return
-        dst, src = st._mem.copy_views(st.dst, nbytes, keep=st.placement is not OWNED)
-        self._transport.copy(dst, src, st.stream)
+        mem, key = st._mem, ("copy", id(st.dst), nbytes)  # the entry holds ``dst``, so its id stays its own
+        pair = mem.views.get(key) if st.placement is not OWNED else None  # an owned buffer may differ next time
+        if pair is None:
+            pair = (st.dst, st.dst[:nbytes], mem.host_raw[:nbytes])
+            if st.placement is not OWNED:
+                mem.views.put(key, pair)
+        self._transport.copy(pair[1], pair[2], st.stream)
         st.copy_issued = True
         counters = self._counters
         counters.copies += 1
@@ -160,34 +147,24 @@ class SlotRing:
         if self._open is not st:
             return
         self._open = None
-        counters = self._counters
-        slot = st.slot
-        in_place = st.placement is IN_PLACE
+        slot, in_place, counters = st.slot, st.placement is IN_PLACE, self._counters
         if not ok:
             _log.debug("stage.aborted", slot=slot, generation=st.generation)
-        if not (st.copy_issued or st.landing_bytes or self._slots[slot].retained or (in_place and st.used_bytes)):
-            # Nothing queued reads or writes the slot: the next claim gets it as it is (its
-            # generation moves on, so this stage's views read as stale).
-            counters.stages += ok
-            counters.aborted_stages += not ok
-            counters.zero_copy_stages += ok and in_place
-            return
-        if (in_place or st.landing_bytes) and self._consumers:
-            # Kernels on registered consumers read the slot in place or store into it: the
-            # fence follows the work queued there so far.
-            self._wait_for_consumers(slot, st.stream)
-        self._slots[slot].fence.record(st.stream)
-        self._next_slot = (slot + 1) % self._num_slots
-        counters.stages += 1
+        # Unfenced, nothing queued reads or writes the slot: the next claim takes it as it is (a new generation).
+        fenced = st.copy_issued or st.landing_bytes or self._slots[slot].retained or (in_place and st.used_bytes)
+        if fenced:
+            if (in_place or st.landing_bytes) and self._consumers:
+                # Kernels on registered consumers read the slot in place or store into it.
+                self._wait_for_consumers(slot, st.stream)
+            self._slots[slot].fence.record(st.stream)
+            self._next_slot = (slot + 1) % self._num_slots
+            counters.owned_stages += st.placement is OWNED
+        counted = ok or bool(fenced)
+        counters.stages += counted
         counters.aborted_stages += not ok
-        counters.owned_stages += st.placement is OWNED
-        counters.zero_copy_stages += in_place
-        if self._debug and ok and (in_place or st.landing_bytes):
+        counters.zero_copy_stages += counted and in_place
+        if self._debug and ok and fenced and (in_place or st.landing_bytes):
             self._refuse_unregistered_reader(st)
-
-    def _check_can_land(self) -> None:
-        if not self.can_land:
-            raise self.platform.refusal(self.device)  # PoolStateError / PlatformError, saying why
 
     def _drain_at_teardown(self, stream: Stream) -> None:
         """Have ``close()`` also wait for ``stream`` (a block's readers, whose replays may store into a slot)."""

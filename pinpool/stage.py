@@ -1,8 +1,5 @@
-"""``Stage``: one claim of one ring slot, from open to close, whatever its placement (placement.py).
-
-Values go into the slot's pinned bytes as they arrive; their device views are handed back at once.
-One lifecycle: ``OPEN`` (puts) -> ``FLUSHED`` (the copy issued) -> ``CLOSED`` (the fence recorded), or ``ABORTED``.
-"""
+"""``Stage``: one claim of one ring slot, ``OPEN`` (puts) -> ``FLUSHED`` (copy issued) -> ``CLOSED`` (fence
+recorded) or ``ABORTED``, whatever its placement (placement.py)."""
 
 from __future__ import annotations
 
@@ -22,48 +19,19 @@ from pinpool.exceptions import (
     StagingValueError,
     StaleLeaseError,
 )
-from pinpool.layout import VIEW_LIFETIME, HostImage, Layout, align_up, landing_itemsize
-from pinpool.layout_step import LayoutStep, no_landing, no_layout
+from pinpool.layout import VIEW_LIFETIME, HostImage, Layout, align_up
+from pinpool.placed import Placed
 from pinpool.placement import ABORTED, CLOSED, FLUSHED, IN_PLACE, OPEN, OWNED, RING, BlockSide, Placement, RingSide
 from pinpool.readback import Landing, Readback
-from pinpool.slot import SlotMemory, claim_tail, typed_view
+from pinpool.slot import SlotMemory, typed_view
 from pinpool.transport import Stream
 
 _ITEMSIZE = {d: d.itemsize for d in [*NUMPY_DTYPE, torch.bfloat16]}
 
 
 class Stage:
-    """An open claim of one slot: ``put`` / ``reserve`` values, then one copy (``flush`` or exit).
-
-    Example::
-
-        with pool.stage() as st:
-            temps = st.put([0.7, 1.0], torch.float32)   # device view, lands with the copy
-            host, dev = st.reserve(256, torch.int32)    # fill ``host`` in place before exit
-        # exit: one copy of the used bytes on ``st.stream``, then the slot's fence
-
-    With a layout, ``put(name, values)`` writes a field's live rows and ``views`` holds each field's view.
-    """
-
-    __slots__ = (
-        "_block",
-        "_cursor",
-        "_landings",
-        "_mem",
-        "_ring",
-        "_step",
-        "capacity",
-        "copy_issued",
-        "dst",
-        "generation",
-        "landing_bytes",
-        "placement",
-        "slot",
-        "state",
-        "stream",
-        "tail",
-        "used_bytes",
-    )
+    """An open claim of one slot: ``put`` / ``reserve`` values (with a layout, ``put(field, rows)``), then one
+    copy (``flush`` or exit); ``views`` holds a layout's device views."""
 
     def __init__(
         self,
@@ -81,33 +49,32 @@ class Stage:
         self.placement = placement
         self.dst = dst  # the device memory the views are carved from and the copy lands in
         self._block = block
-        # Landing bytes are claimed from the slot's end down, outside the copied bytes.
-        self.tail = nbytes = mem.nbytes
+        self.tail = nbytes = mem.nbytes  # landed values are claimed from the slot's end down
         self.capacity = nbytes if placement is RING or placement is IN_PLACE else min(nbytes, dst.numel())
-        self._cursor = self.used_bytes = 0
-        self.landing_bytes = self.copy_issued = False
+        self._cursor = self.used_bytes = self._live = self._written = 0
+        self.landing_bytes = self.copy_issued = self._padded = False
         self.state = OPEN
         self._landings: list[Landing] = []
-        self._step: LayoutStep | None = None  # a layout's step, set by ``open_layout``
+        self._placed: Placed | None = None  # with a layout, set by ``open_layout``
 
     @property
     def layout(self) -> Layout | None:
-        return self._step.layout if self._step is not None else None
+        return self._placed.layout if self._placed is not None else None
 
     @property
     def rows(self) -> int:
         """With a layout: the padded row count (0 without one)."""
-        return self._step.rows if self._step is not None else 0
+        return self._placed.rows if self._placed is not None else 0
 
     @property
     def live(self) -> int:
         """With a layout: how many of the rows are real (0 without one)."""
-        return self._step.live if self._step is not None else 0
+        return self._live
 
     @property
     def views(self) -> dict[str, torch.Tensor]:
         """With a layout: name -> each field's device view of ``rows`` elements (empty without one)."""
-        return self._step.placed.views if self._step is not None else {}
+        return self._placed.views if self._placed is not None else {}
 
     def __enter__(self) -> Stage:
         return self
@@ -116,17 +83,32 @@ class Stage:
         self.close(ok=exc_type is None)
 
     def flush(self) -> None:
-        """Issue the stage's one copy now (padding first), leaving it open for kernel launches."""
+        """Issue the stage's one copy now (padding first), leaving it open for kernel launches: OPEN -> FLUSHED."""
         if self.state is not OPEN:
             self._check_open()  # raises
-        self._issue()
+        placed = self._placed
+        if placed is not None:
+            if self._live and self._written != placed.all_written:
+                error = placed.unwritten(self._written)
+                self.close(ok=False)
+                raise error
+            if self._live < placed.rows and not self._padded:
+                placed.pad(self._live)
+                self._padded = True
+        if self._block is not None:
+            self._block.before_copy(self.stream)
+        if self.placement is not IN_PLACE:
+            self._ring._issue_copy(self)
+        self.state = FLUSHED
+        if self._block is not None:
+            self._block.after_copy(self.stream)
 
     def close(self, ok: bool = True) -> None:
         """Finish the stage: the copy if not issued yet (``ok``), then the slot's fence; or abort."""
         if self.state is CLOSED or self.state is ABORTED:
             return
         if ok and self.state is OPEN:
-            if self._landings and self.placement is not IN_PLACE and any(h.size for h in self._landings):
+            if self._landings and self.placement is not IN_PLACE and self._live:
                 # The copy would carry live addresses that a kernel launched after close
                 # could still store through, past the slot's fence: abort instead.
                 self.close(ok=False)
@@ -135,7 +117,7 @@ class Stage:
                     "after the copy that carries its addresses; the stage was aborted and nothing was copied"
                 )
             try:
-                self._issue()  # raises, the stage aborted, when a layout field was not written
+                self.flush()  # raises, the stage aborted, when a layout field was not written
             except BaseException:
                 self.close(ok=False)
                 raise
@@ -191,30 +173,31 @@ class Stage:
         )
 
     def put(self, values: Any, dtype: Any = None, *, name: str = "values") -> Any:
-        """Write ``values`` (a list, tuple or scalar with ``dtype``; a numpy array, CPU tensor or bytes) into
-        the slot, converted exactly or refused before the stage advances; return their device view."""
+        """Write ``values`` (a list, tuple or scalar with ``dtype``; a numpy array, CPU tensor or bytes), converted
+        exactly or refused before the stage advances; their device view (None for a layout field's rows)."""
         if self.state is not OPEN:
             self._check_open()
         if type(values) is str:  # a layout field's live rows: put("rows", [...])
-            field, rows, step = values, dtype, self._step
-            if step is None:
-                raise no_layout(field)
-            spec = step.placed.fields.get(field)  # (index, first byte in the slab, dtype)
-            if spec is not None and type(rows) is list and len(rows) == step.live:
+            placed, rows, live = self._placed, dtype, self._live
+            if placed is None:
+                raise _no_layout(values)
+            spec = placed.fields.get(values)  # (index, first byte in the slab, dtype)
+            if spec is not None and type(rows) is list and len(rows) == live:
                 i, at, field_dtype = spec
-                packer = PACKERS.get((field_dtype, step.live)) or packer_for(field_dtype, step.live)
+                packer = PACKERS.get((field_dtype, live)) or packer_for(field_dtype, live)
                 try:  # packed aside: a refused put leaves the field's earlier values, as the general path does
                     packed = packer.pack(*rows) if packer is not None else None  # None: a dtype struct lacks
                 except (struct.error, TypeError, OverflowError):
                     packed = None  # not exact as struct packs it: the general path converts or raises typed
                 if packed is not None:
                     self._mem.host_bytes[at : at + len(packed)] = packed
-                    step.written |= 1 << i
+                    self._written |= 1 << i
                     return None
-            return step.put(field, rows)
+            self._written |= 1 << placed.put(values, rows, live)
+            return None
         if type(values) is list and type(dtype) is torch.dtype:
-            # A scheduler's per-request list: struct checks each element (ints in range,
-            # floats that fit) and packs it straight into the slot.
+            # A scheduler's per-request list: struct checks each element (ints in range, floats
+            # that fit) and packs it straight into the slot.
             numel = len(values)
             packer = PACKERS.get((dtype, numel)) or packer_for(dtype, numel)
             start = self._cursor
@@ -262,35 +245,6 @@ class Stage:
         host = self._mem.host[target][start // itemsize : start // itemsize + numel]
         return host, self._advance(start, target, numel, nbytes)
 
-    def land(self, numel: int, dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, Landing]:
-        """Have a kernel store ``numel`` values into this slot's end: (int64 device addresses, handle). Launch
-        the writer (``pinpool.landing.land``) after ``flush``, before close, on the stage's stream or a consumer."""
-        if self.state is not OPEN:
-            self._check_open()
-        if not self._ring.can_land:
-            self._ring._check_can_land()  # raises, saying why
-        if not int_in_range(numel, 0):
-            raise StagingValueError(f"'numel' must be an int >= 0 (got {numel!r})")
-        mem, nbytes = self._mem, numel * landing_itemsize(dtype)  # a typed error for a dtype no landing carries
-        before = self.tail, self._cursor, self.used_bytes, self.landing_bytes
-        self.tail = claim_tail(self.tail, self._cursor, nbytes, mem.alignment, "landing")  # the values, below the tail
-        self.landing_bytes = True
-        column, values = mem.landing(self.tail, numel, dtype)
-        handle = Landing(self._ring, self.slot, self.generation, mem.fence, values, False)
-        self._landings.append(handle)
-        try:
-            at = self._cursor
-            if at + len(column) <= min(self.capacity, self.tail):
-                mem.host_bytes[mem.host_base + at : mem.host_base + at + len(column)] = column
-                addresses = self._advance(at, torch.int64, numel, len(column))
-            else:  # as a put that does not fit: spilled where the pool spills, refused otherwise
-                addresses = self.put(np.frombuffer(column, np.int64), torch.int64, name="landing")
-        except BaseException:
-            self.tail, self._cursor, self.used_bytes, self.landing_bytes = before
-            self._landings.pop()
-            raise
-        return addresses, handle
-
     def readback(self, src: torch.Tensor) -> Readback:
         """Copy device tensor ``src`` back into this slot under its fence (flushes first; launch readers before)."""
         if not self.is_open:
@@ -320,42 +274,54 @@ class Stage:
 
     def open_layout(self, layout: Layout, rows: int, live: int) -> None:
         """Claim ``layout`` for ``rows`` rows, ``live`` of them real, and its landings (the ring checked the counts)."""
-        mem = self._mem
-        block_views = self._block.views if self._block is not None else None
-        keep = self.placement is not OWNED
-        placed = mem.placed(layout, rows, self.dst, block_views, self.capacity, keep)
-        self._step = LayoutStep(layout, rows, live, mem, placed)
+        mem, keep = self._mem, self.placement is not OWNED  # an owned buffer may differ next time
+        key = ("layout", id(layout), id(self.dst), rows)  # ids: the entry holds both, so neither is reused
+        placed: Placed | None = mem.views.get(key) if keep else None
+        if placed is None:
+            views = self._block.views(rows) if self._block is not None else None
+            placed = Placed(layout, rows, mem, self.dst, views, self.capacity)
+            if keep:
+                mem.views.put(key, placed)
+        self._placed, self._live = placed, live
         self.used_bytes, self._cursor = placed.nbytes, placed.cursor
         if placed.landed:
-            self.tail, self.landing_bytes, n = placed.tail, True, live * 8  # int64 addresses
-            for at, column, values in placed.landed:
+            self.tail, self.landing_bytes = placed.tail, True
+            for _, _, values in placed.landed:
                 self._landings.append(Landing(self._ring, self.slot, self.generation, mem.fence, values[:live], False))
-                mem.host_bytes[at : at + n] = column[:n]  # padding rows hold 0 (their pad): they store nothing
+            n = live * 8  # each landing's live addresses; padding rows hold 0 (their pad): they store nothing
+            for at, column, _ in placed.landed:
+                mem.host_bytes[at : at + n] = column[:n]
         if self.placement is IN_PLACE and live < rows:
             placed.pad(live)  # read in place from the moment they are handed out
-            self._step.padded = True
+            self._padded = True
 
     def host(self, name: str) -> np.ndarray[Any, Any]:
         """Field ``name``'s live rows in the pinned slot, to fill in place before the copy (counts as written)."""
         if self.state is not OPEN:
             self._check_open()
-        if self._step is None:
-            raise no_layout(name)
-        return self._step.host(name)
+        if self._placed is None:
+            raise _no_layout(name)
+        i = self._placed.input_field(name)
+        self._written |= 1 << i
+        return self._placed.host_views[i][: self._live]
 
     def put_image(self, image: HostImage) -> None:
         """Every field from a prebuilt host image (padding included): one memcpy."""
         if self.state is not OPEN:
             self._check_open()
-        if self._step is None:
+        if self._placed is None:
             raise StagingValueError(f"'image' needs a stage with a layout (got {image!r})")
-        self._step.put_image(image)
+        self._placed.put_image(image, self._live, self._mem)
+        self._written, self._padded = self._placed.layout.all_written, True
 
     def landing(self, name: str) -> Landing:
         """The handle that reads landing field ``name``'s values after a successful close."""
-        k = self._step.placed.landing_of.get(name) if self._step is not None else None
+        placed = self._placed
+        k = placed.landing_of.get(name) if placed is not None else None
         if k is None:
-            raise no_landing(self._step, name)
+            if placed is not None:
+                placed.layout.field(name)  # an undeclared name: its own typed error
+            raise StagingValueError(f"'name' must be a landing field of this stage's layout (got {name!r})")
         return self._landings[k]
 
     def _advance(self, start: int, dtype: torch.dtype, numel: int, nbytes: int) -> torch.Tensor:
@@ -366,22 +332,6 @@ class Stage:
             return typed_view(self.dst, dtype, start, numel)
         hit = self._mem.views.get((id(self.dst), dtype, start, numel))  # the lookup inline: one call less a put
         return hit[1] if hit is not None else self._mem.device_view(self.dst, dtype, start, numel)
-
-    def _issue(self) -> None:
-        """Padding, the block's ordering, the one copy: OPEN -> FLUSHED."""
-        if self._step is not None:
-            try:
-                self._step.before_copy()  # raises when an input field was not written
-            except PoolStateError:
-                self.close(ok=False)
-                raise
-        if self._block is not None:
-            self._block.before_copy(self.stream)
-        if self.placement is not IN_PLACE:
-            self._ring._issue_copy(self)
-        self.state = FLUSHED
-        if self._block is not None:
-            self._block.after_copy(self.stream)
 
     def _check_open(self) -> None:
         if not self.is_open:
@@ -395,3 +345,7 @@ class Stage:
         return CapacityError(
             f"'{name}' needs {nbytes} bytes but the {limit} has {free} of {self.capacity} left; {CAPACITY_FIX}"
         )
+
+
+def _no_layout(name: str) -> StagingTypeError:
+    return StagingTypeError(f"put({name!r}, ...) names a field, but this stage has no layout")

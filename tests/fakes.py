@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from pinpool import DeviceBlock
+from pinpool import DeviceBlock, Field, Layout, PinnedRingBuffer, Stage
+from pinpool.readback import Landing
 from sampling import SamplingParams
 
 
@@ -84,3 +85,11 @@ class NoFenceAfterReaders(DeviceBlock):
     def wait_for_readers(self, stream: Any) -> None:
         if self._copying:
             super().wait_for_readers(stream)
+
+
+def landing_stage(
+    pool: PinnedRingBuffer, n: int, dtype: torch.dtype = torch.int64, **kw: Any
+) -> tuple[Stage, torch.Tensor, Landing]:
+    """A stage whose layout is one landing of ``n`` rows: (the stage, its device addresses, the handle)."""
+    st = pool.stage(Layout([Field.landing("out", dtype)], max(n, 1)), rows=n, **kw)
+    return st, st.views["out"], st.landing("out")

@@ -10,7 +10,6 @@ over interleaved rounds:
 - ``pinned``: the PR #28076 pattern (the reference);
 - ``pool``: the engine's pool mode as shipped (``pool.stage(step_layout, rows=bs)``: a layout
   declared once, a ``put`` per field, the landing field's addresses written at open);
-- ``pool-stage``: the same exchange with no layout (``stage``, one ad-hoc ``put``, ``land``, ``flush``);
 - ``pool-min``: the same CUDA calls (current stream, capture query, one copy, one fence
   record, one fence query) with the Python around them cut to the minimum, inline in the
   engine: the floor any Python-level rework of the exchange could reach.
@@ -89,23 +88,6 @@ def _min_decode(self: Engine) -> Any:
     return read
 
 
-def _stage_decode(self: Engine) -> Any:
-    """The decode step with the exchange opened call by call, no layout: ``stage``, ``put``, ``land``, ``flush``."""
-    reqs, bs = self.running, len(self.running)
-    out_cache_loc = self.kv.alloc(bs)
-    rows, positions = [r.row for r in reqs], [r.seq_len for r in reqs]
-    with self.staging("decode.upload"):
-        exchange = self.pool.stage()
-        rows_d, positions_d = self._halves(exchange.put(rows + positions, torch.int64), bs)
-        land_to, landing = exchange.land(bs)
-        exchange.flush()
-    self._launch_decode(reqs, bs, rows_d, positions_d, out_cache_loc, land_to)
-    with self.staging("decode.readback"):
-        exchange.close()
-        pending = landing.tolist
-    return pending
-
-
 def _plan(pool: Any, slot: int, bs: int) -> tuple[Any, ...]:
     """Where the minimal exchange writes in ``slot`` for ``bs`` rows (built once per slot and size)."""
     import struct
@@ -139,8 +121,6 @@ def _plan(pool: Any, slot: int, bs: int) -> tuple[Any, ...]:
 def _build(variant: str, running: int, steps: int) -> Engine:
     mode = "pinned" if variant == "pinned" else "pool"
     engine = _engine(mode, DEV, running, 0.0, 0.0)
-    if variant == "pool-stage":
-        engine._decode = _stage_decode.__get__(engine)  # type: ignore[method-assign]
     if variant.startswith("pool-min"):
         engine._min_guard = variant == "pool-min"  # type: ignore[attr-defined]
         engine._min_plans = {}  # type: ignore[attr-defined]
@@ -160,7 +140,7 @@ def measure(variant: str, running: int, steps: int = 32) -> tuple[float, list[in
     return us, tokens
 
 
-VARIANTS = ("pinned", "pool", "pool-stage", "pool-min")
+VARIANTS = ("pinned", "pool", "pool-min")
 
 
 def main() -> None:

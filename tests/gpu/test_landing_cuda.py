@@ -21,7 +21,7 @@ from pinpool import DeviceBlock, Field, Layout, PinnedRingBuffer, PoolSettings
 from pinpool.cuda import use_stream
 from pinpool.landing import land
 from pinpool.readback import Landing
-from tests.fakes import NoFenceAfterReaders
+from tests.fakes import NoFenceAfterReaders, landing_stage
 
 ROWS = 16
 LAYOUT = Layout([Field("x", torch.int64, pad=-1), Field.landing("dst")], ROWS)
@@ -147,8 +147,8 @@ def run_stage_landings(register: bool, steps: int = 60) -> list[str]:
     for step in range(steps):
         n = rng.randint(1, ROWS)
         values = torch.arange(n, device=dev) + 1000 * step
-        with pool.stage() as st:
-            addresses, handle = st.land(n)
+        st, addresses, handle = landing_stage(pool, n)
+        with st:
             st.flush()
             side.wait_stream(torch.cuda.current_stream(dev))  # the addresses' copy first
             with use_stream(side):
@@ -187,16 +187,15 @@ def test_an_aborted_stage_waits_for_the_writer_it_handed_its_landing_to(current_
     pool.register_consumer_stream(side)
     n = 8
     with torch.cuda.device(current_index):
-        st = pool.stage()
-        addresses, _ = st.land(n)
+        st, addresses, _ = landing_stage(pool, n)
         st.flush()
         side.wait_stream(torch.cuda.current_stream(dev))  # the addresses' copy first
         with use_stream(side):
             torch.cuda._sleep(50_000_000)  # ~25 ms: still asleep when the next stage lands
             land(torch.full((n,), -7, dtype=torch.int64, device=dev), addresses)
         st.close(ok=False)  # an error after the writer was launched
-        with pool.stage() as nxt:
-            next_addresses, handle = nxt.land(n)
+        nxt, next_addresses, handle = landing_stage(pool, n)
+        with nxt:
             nxt.flush()
             land(torch.arange(n, device=dev), next_addresses)  # on the stage's stream, at once
         assert handle.tolist() == list(range(n))

@@ -15,7 +15,7 @@ from pinpool import PinnedRingBuffer, PoolSettings
 from pinpool.testing import no_sync
 from sampling import Sampler, SamplingBatchInfo, SamplingParams, draw_reference, launch_draw_sorted
 from sampling.draw import POISONED_TOKEN
-from tests.fakes import Batch, Req, random_params
+from tests.fakes import Batch, Req, landing_stage, random_params
 from tests.unit.test_draw_kernel import poisoned_probs
 from tests.unit.test_sampler_edges import SIGMAS, poisoned_logits, tail_hits, tail_info
 
@@ -132,8 +132,8 @@ def test_compiled_kernel_draws_token_zero_for_poisoned_rows(landed: bool) -> Non
     want = draw_reference(probs_sort, probs_idx, info, positions).tolist()  # type: ignore[arg-type]
     if landed:
         pool = PinnedRingBuffer(PoolSettings(device=DEV, num_slots=3, zero_copy=True))
-        with pool.stage() as st:
-            land_to, landing = st.land(bs)
+        st, land_to, landing = landing_stage(pool, bs)
+        with st:
             st.flush()
             got = launch_draw_sorted(probs_sort, probs_idx, info, positions, land_to)  # type: ignore[arg-type]
         assert landing.tolist() == got.tolist()

@@ -20,6 +20,7 @@ import torch
 from pinpool import DeviceBlock, Field, Layout, PinnedRingBuffer, PoolSettings, PoolStateError
 from pinpool.landing import land
 from pinpool.testing import LaggingGpu
+from tests.fakes import landing_stage
 
 
 def _pool(gpu: LaggingGpu, slot_bytes: int = 64, **kw: object) -> PinnedRingBuffer:
@@ -38,8 +39,7 @@ def test_a_stage_with_landing_bytes_is_fenced_after_their_writer_even_when_abort
     pool = _pool(gpu, zero_copy=True)
     pool.register_consumer_stream(side)
     gpu.frozen = True  # nothing runs until a host wait
-    st = pool.stage()
-    _, handle = st.land(4, torch.int32)  # 16 landing bytes at the slot's end
+    st, _, handle = landing_stage(pool, 4, torch.int32)  # 16 landing bytes at the slot's end
     st.flush()
     raw = torch.from_numpy(handle._host).view(torch.uint8)  # the pinned bytes the writer stores into
     gpu.enqueue_write(raw, torch.full((16,), 0xEE, dtype=torch.uint8), stream=side)
@@ -80,9 +80,8 @@ def test_land_without_flush_is_refused_and_copies_nothing() -> None:
     a kernel launched after close would store into a slot its fence no longer guards."""
     gpu = LaggingGpu(max_lag=0, seed=3)
     pool = _pool(gpu, zero_copy=True)
-    st = pool.stage()
+    st, _, handle = landing_stage(pool, 2)
     st.put([1, 2], torch.int64)
-    _, handle = st.land(2, torch.int64)
     with pytest.raises(PoolStateError, match="needs flush\\(\\) before close"):
         st.close()
     assert pool.stats().copies == 0

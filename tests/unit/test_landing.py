@@ -2,7 +2,7 @@
 
 A landing is a field kind (``Field.landing``): the stage writes, per live row, the pinned
 host address the row's value is stored at when it opens, and ``st.landing(name)`` reads
-the values after close. A plain stage has the ad-hoc form, ``st.land(numel, dtype)``.
+the values after close. There is no other form (``tests.fakes.landing_stage`` declares one landing).
 
 Three parts:
 - ``pinpool.landing.land`` (the kernel, under the Triton interpreter here, and its torch
@@ -44,7 +44,7 @@ from pinpool.layout import LANDING_TAG
 from pinpool.placement import State
 from pinpool.readback import Landing
 from pinpool.testing import LaggingGpu, SimStream
-from tests.fakes import NoFenceAfterReaders
+from tests.fakes import NoFenceAfterReaders, landing_stage
 
 MAX_ROWS = 16
 LAYOUT = Layout([Field("x", torch.int64, pad=-1), Field.landing("dst")], MAX_ROWS)
@@ -159,9 +159,8 @@ def test_a_landing_field_that_cannot_hold_addresses_is_refused_when_declared(dec
 
 
 def test_landing_errors_are_typed_and_leave_the_stage_usable_or_aborted() -> None:
-    """Catches a handle asked of a field that is no landing, an ad-hoc landing accepted after the copy
-    was issued or of a dtype no writer stores, a landing on a pool whose kernels may not write its
-    slots, or a handle read after its stage was aborted."""
+    """Catches a handle asked of a field that is no landing, a landing on a pool whose kernels may not
+    write its slots, or a handle read after its stage was aborted."""
     _, block = cpu_block()
     with block.stage(4, 2) as st:
         st.put("x", [1, 2])
@@ -169,11 +168,7 @@ def test_landing_errors_are_typed_and_leave_the_stage_usable_or_aborted() -> Non
             st.landing("x")
         with pytest.raises(StagingValueError, match="'name' must be a declared field"):
             st.landing("nope")
-        with pytest.raises(StagingTypeError, match="'dtype' of a landing"):
-            st.land(2, torch.int16)
         st.flush()
-        with pytest.raises(PoolStateError, match="flushed"):
-            st.land(2)
         land(torch.tensor([3, 4, 5, 6]), st.views["dst"])
     assert st.landing("dst").tolist() == [3, 4]  # the refusals took nothing the landing needs
     with pytest.raises(RuntimeError, match="boom"), block.stage(4, 2) as st:
@@ -188,8 +183,9 @@ def test_landing_errors_are_typed_and_leave_the_stage_usable_or_aborted() -> Non
     with pytest.raises(PoolStateError, match="zero_copy"):
         plain.stage(4, 2)  # refused at open: no address is handed out
     assert plain_pool_.claims == 0
-    with plain_pool_.stage() as st, pytest.raises(PoolStateError, match="zero_copy"):
-        st.land(2)
+    with pytest.raises(PoolStateError, match="zero_copy"):
+        landing_stage(plain_pool_, 2)
+    assert plain_pool_.claims == 0
 
 
 def test_a_read_back_in_a_landed_stage_stops_before_the_landing() -> None:
@@ -318,8 +314,8 @@ def plain_pool(num_slots: int = 3) -> PinnedRingBuffer:
 def test_a_put_after_a_landing_never_reaches_its_bytes(zero_copy: bool) -> None:
     """Catches a list put (the hot path) or a read-back placed over the landing at the slot's end."""
     pool = plain_pool()
-    with pool.stage(zero_copy=zero_copy) as st:
-        st.land(4)
+    st, _, _ = landing_stage(pool, 4, zero_copy=zero_copy)
+    with st:
         room = (SLOT_BYTES - 32 - 32) // 8  # the landing (32 bytes) and its addresses (32) are taken
         with pytest.raises(CapacityError):
             st.put(list(range(room + 1)), torch.int64)
@@ -334,8 +330,9 @@ def test_a_stage_with_a_landing_closed_without_flush_is_refused_and_its_handle_n
     that copy, and one launched after close would store past the slot's fence. The close aborts
     (nothing copied) and raises; the handle stays unreadable."""
     pool = plain_pool()
-    with pytest.raises(PoolStateError, match="needs flush"), pool.stage() as st:
-        _, handle = st.land(2)
+    st, _, handle = landing_stage(pool, 2)
+    with pytest.raises(PoolStateError, match="needs flush"), st:
+        pass
     assert pool.stats().copies == 0
     with pytest.raises(PoolStateError, match="before its stage closed"):
         handle.tolist()
@@ -370,16 +367,15 @@ def test_writes_that_would_cancel_a_landing_are_refused_and_an_image_keeps_the_a
     assert block.views(4)["x"].tolist() == [7, 8, -1, -1] and st.landing("dst").tolist() == [5, 6]
 
 
-@pytest.mark.parametrize("kind", ["ad-hoc", "ring-layout", "block"])
+@pytest.mark.parametrize("kind", ["landing-only", "ring-layout", "block"])
 def test_an_aborted_stage_with_landing_bytes_is_fenced_and_moves_the_ring_on(kind: str) -> None:
     """Catches a stage that claimed landing bytes but copied nothing (aborted) being closed with no
     fence, its slot handed straight to the next stage while a writer it launched may still store into it."""
     pool, block = cpu_block(num_slots=3)
-    st = (
-        pool.stage() if kind == "ad-hoc" else pool.stage(LAYOUT, rows=2) if kind == "ring-layout" else block.stage(2, 2)
-    )
-    if kind == "ad-hoc":
-        st.land(8)
+    if kind == "landing-only":
+        st = landing_stage(pool, 8)[0]
+    else:
+        st = pool.stage(LAYOUT, rows=2) if kind == "ring-layout" else block.stage(2, 2)
     assert st.landing_bytes
     st.close(ok=False)
     assert pool.stats().copies == 0 and pool.stats().aborted_stages == 1
@@ -391,8 +387,8 @@ def test_an_aborted_stage_with_landing_bytes_is_fenced_and_moves_the_ring_on(kin
 def test_a_read_back_of_something_not_a_tensor_is_a_typed_error() -> None:
     """Catches the landing's room check reading ``numel`` of a non-tensor (AttributeError)."""
     pool = plain_pool()
-    with pool.stage() as st:
-        st.land(1)
+    st, _, _ = landing_stage(pool, 1)
+    with st:
         st.put([1], torch.int64)
         st.flush()  # a refused read-back flushes nothing itself
         with pytest.raises(PoolStateError, match=r"'src' must be a torch\.Tensor"):
@@ -412,20 +408,6 @@ def test_the_sampler_refuses_a_bad_land_to_before_sampling() -> None:
     for bad in (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
         with pytest.raises(BatchMismatchError, match=r"'land_to' must be contiguous torch\.int64"):
             Sampler()(logits, info, land_to=bad)
-
-
-def test_a_landing_whose_addresses_do_not_fit_spills_them_when_the_pool_spills() -> None:
-    """Catches land() refusing what a spilling pool accepted before (its addresses through a spilled put)."""
-    pool = PinnedRingBuffer(
-        PoolSettings(device="cpu", num_slots=2, slot_bytes=SLOT_BYTES, zero_copy=True, overflow="spill")
-    )
-    with pool.stage() as st:
-        st.put(list(range(100)), torch.int64)
-        addresses, handle = st.land(16)
-        assert pool.stats().overflows == 1  # the addresses went through a spilled put
-        st.flush()
-        land(torch.arange(16, dtype=torch.int64) + 70, addresses)
-    assert handle.tolist() == list(range(70, 86))
 
 
 def test_an_image_of_another_size_is_refused_and_never_written_past_the_block() -> None:

@@ -248,8 +248,8 @@ def test_a_placed_layout_is_kept_per_row_count_whatever_the_live_count() -> None
             st.put("rows", [0] * live)
             st.put("pos", [0] * live)
             st.flush()
-        assert st._step is not None
-        placed.append(st._step.placed)
+        assert st._placed is not None
+        placed.append(st._placed)
     assert len({id(p) for p in placed}) == 2  # one per slot
 
 
@@ -328,7 +328,7 @@ def test_padding_rows_hold_the_pads_after_flush_over_an_earlier_steps_values() -
         st = pool.stage(STEP, rows=MAX_ROWS, live=live)
         st.put("rows", list(range(live)))
         st.put("pos", list(range(live)))
-        host_pos = st._step.placed.host_views[1]  # white box: the pinned bytes the copy carries
+        host_pos = st._placed.host_views[1]  # white box: the pinned bytes the copy carries
         st.flush()
         assert host_pos.tolist() == padded(list(range(live)), MAX_ROWS, -1)
         assert st.views["rows"].tolist() == padded(list(range(live)), MAX_ROWS, 0)

@@ -124,16 +124,16 @@ def test_a_layout_field_lands_the_same_from_its_packer_and_from_the_general_path
     taking the packer at all where struct has the dtype (int8 has none: the general path, as a control)."""
     from pinpool import Field, Layout
     from pinpool.encode import packer_for
-    from pinpool.layout_step import LayoutStep
+    from pinpool.placed import Placed
 
-    general = LayoutStep.put
+    general = Placed.put
     calls: list[str] = []
 
-    def counted(step: LayoutStep, name: str, values: object) -> None:
+    def counted(placed: Placed, name: str, values: object, live: int) -> int:
         calls.append(type(values).__name__)
-        general(step, name, values)
+        return general(placed, name, values, live)
 
-    monkeypatch.setattr(LayoutStep, "put", counted)
+    monkeypatch.setattr(Placed, "put", counted)
     rng = np.random.default_rng(1)
     np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
     values = (rng.integers(-100, 100, 5) if np_dtype.kind in "iu" else rng.normal(size=5)).astype(np_dtype)

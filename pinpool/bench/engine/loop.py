@@ -119,7 +119,6 @@ class Engine:
         self.arange = torch.arange(cfg.max_running + 1, device=device)
         self.times = StepTimes()
         self.record_gpu = False
-        self._halves_of: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.waiting: deque[Request] = deque()
         self.pending: tuple[Pending, list[Request]] | None = None
         self.iteration = 0
@@ -275,12 +274,15 @@ class Engine:
         # kernel launch) still closes it, and a flushed copy still gets its fence.
         try:
             with self.staging("decode.upload"):
-                if self.pooled and not self.zero_copy:
+                if self.pooled:
                     # One slot for the step, both ways: the metadata up now (one copy, issued
                     # here), the tokens back after the sampler, one fence (stored there by the
                     # sampler itself, a landing, or else a Stage.readback copy). The step's
                     # layout is declared once (``step_layout``): each call here runs cold.
-                    exchange = self.pool.stage(self.step_layout, rows=bs)
+                    # pool-zc: the same layout read in place, so flush() issues nothing; the
+                    # kernels _launch_decode queues are launched before the close, so the
+                    # slot's fence, recorded at close, follows them.
+                    exchange = self.pool.stage(self.step_layout, rows=bs, zero_copy=self.zero_copy)
                     exchange.put("rows", rows)
                     exchange.put("positions", positions)
                     exchange.flush()
@@ -288,17 +290,6 @@ class Engine:
                     rows_d, positions_d = views["rows"], views["positions"]
                     if self.land_tokens:
                         land_to, landing = views["tokens"], exchange.landing("tokens")
-                elif self.pooled:
-                    # pool-zc: a zero-copy stage, so flush() issues nothing and the kernels
-                    # _launch_decode queues (the req_to_token write, the forward, the sampler)
-                    # read rows and positions in the pinned slot; they are launched before the
-                    # read-back and the close, so the slot's fence, recorded at close, follows them.
-                    exchange = self.pool.stage(zero_copy=True)
-                    rows_d, positions_d = self._halves(exchange.put(rows + positions, torch.int64), bs)
-                    if self.land_tokens:
-                        # Where the sampler stores each token in this slot: no read-back copy.
-                        land_to, landing = exchange.land(bs)
-                    exchange.flush()
                 else:
                     rows_d, positions_d = self.uploader.upload("step", [(rows, torch.int64), (positions, torch.int64)])
             self._launch_decode(reqs, bs, rows_d, positions_d, out_cache_loc, land_to)
@@ -318,20 +309,6 @@ class Engine:
         finally:
             if not ok and exchange is not None:
                 exchange.close(ok=False)  # aborted: a flushed copy still gets its fence
-
-    def _halves(self, both: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows and positions: the two halves of the step's one put (one put a step, not two).
-
-        The pool hands out the same view for the same slot and size step after step, so
-        its halves are kept too (slicing twice a step costs about what the second put did).
-        Keyed by the view's id, with the view kept in the entry so an id is never reused.
-        """
-        hit = self._halves_of.get(id(both))
-        if hit is None or hit[0] is not both:
-            if len(self._halves_of) >= 64:  # a slot and a batch size each; a spilled put is new each time
-                self._halves_of.clear()
-            hit = self._halves_of[id(both)] = (both, both[:bs], both[bs:])
-        return hit[1], hit[2]
 
     def _launch_decode(
         self,
