@@ -1,7 +1,4 @@
-"""The CUDA transport: pinned memory, CUDA events and stream-ordered copies through torch.
-
-Every call runs under the pool's device whatever device is current (rule 8).
-"""
+"""The CUDA transport through torch: pinned memory, events, stream-ordered copies, all under the pool's device."""
 
 from __future__ import annotations
 
@@ -18,25 +15,21 @@ def _no_cuda(*args: Any) -> Any:
     raise DeviceMismatchError("this torch build has no CUDA: a CUDA pool cannot be used")
 
 
-# Raw bindings of the torch calls the hot path makes, looked up once: each is one C call, where
-# the public wrappers add Python frames and current-device lookups on every step.
+# Raw bindings for the hot path: one C call each, where the public wrappers add frames and device lookups.
 _current_stream_of = getattr(torch._C, "_cuda_getCurrentStream", _no_cuda)  # -> (stream_id, index, device_type)
 _event_base: Any = getattr(torch._C, "_CudaEventBase", None)
 _record = getattr(_event_base, "record", _no_cuda)
 _query = getattr(_event_base, "query", _no_cuda)
 _synchronize = getattr(_event_base, "synchronize", _no_cuda)
-_set_stream = getattr(torch._C, "_cuda_setStream", None)  # also makes the stream's device current
-_get_device = getattr(torch._C, "_cuda_getDevice", None)
-_set_device = getattr(torch._C, "_cuda_setDevice", None)
-_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)  # of the current device's stream
+_set_stream: Any = getattr(torch._C, "_cuda_setStream", None)  # also makes the stream's device current
+_get_device: Any = getattr(torch._C, "_cuda_getDevice", None)
+_set_device: Any = getattr(torch._C, "_cuda_setDevice", None)
+_is_capturing: Any = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)  # of the current device's stream
 
 
 class use_stream:
-    """``with use_stream(s):`` makes CUDA stream ``s`` current on its device, then restores both.
-
-    What ``torch.cuda.stream`` does, at a fraction of its host cost. A no-op for ``None`` (the
-    host path); a torch without the raw bindings gets ``torch.cuda.stream``.
-    """
+    """``with use_stream(s):`` makes CUDA stream ``s`` current on its device, then restores both; ``None``: no-op.
+    ``torch.cuda.stream`` at a fraction of its host cost (and that, where torch lacks the raw bindings)."""
 
     __slots__ = ("_device", "_fallback", "_previous", "_stream")
 
@@ -44,7 +37,6 @@ class use_stream:
         self._stream = stream
         self._previous: tuple[int, int, int] | None = None
         self._fallback: Any = None
-        self._device = -1
 
     def __enter__(self) -> None:
         stream = self._stream
@@ -59,27 +51,21 @@ class use_stream:
         _set_stream(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
 
     def __exit__(self, *exc: object) -> None:
-        if self._fallback is not None:
-            fallback, self._fallback = self._fallback, None
-            fallback.__exit__(*exc)
-            return
         previous, self._previous = self._previous, None
-        if previous is None or _set_stream is None or _set_device is None:
-            return
-        _set_stream(stream_id=previous[0], device_index=previous[1], device_type=previous[2])
-        if self._device != previous[1]:
-            _set_device(self._device)
+        if previous is not None:
+            _set_stream(stream_id=previous[0], device_index=previous[1], device_type=previous[2])
+            if self._device != previous[1]:
+                _set_device(self._device)
+        elif (fallback := self._fallback) is not None:
+            self._fallback = None
+            fallback.__exit__(*exc)
 
 
 class _CudaFence(torch.cuda.Event):
-    """A CUDA event recorded on the stage's resolved stream, never "the current one".
+    """A CUDA event recorded on the stage's resolved stream; ATen guards its device, so rule 8 needs no switch."""
 
-    Rule 8 needs no device switch: ATen's record guards the event's device; query and synchronize work from any.
-    """
-
-    #: Seen passed since its last record: an event changes only when recorded again, so a passed
-    #: fence answers later queries without a CUDA call. Every record must go through ``record``
-    #: below (torch's ``Stream.record_event`` does), or the memo goes stale.
+    #: Memo: an event changes only when recorded again, so once seen passed it answers without a CUDA call.
+    #: Every record must go through ``record`` (torch's ``Stream.record_event`` does), or the memo goes stale.
     passed = True  # never recorded: cudaEventQuery says passed too
 
     def record(self, stream: Stream = None) -> None:
@@ -112,13 +98,11 @@ class CudaTransport:
         self._current: torch.cuda.Stream | None = None
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
-        # Pinned under this device's context, so that it creates no context on GPU 0.
-        with torch.cuda.device(self.device):
+        with torch.cuda.device(self.device):  # pinned under this device's context: none created on GPU 0
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def alloc_device(self, nbytes: int, stream: Stream = None) -> torch.Tensor:
-        # From the allocator pool of the stream that writes it first, so no work queued on another
-        # stream still owns the block; None: the current stream's, without entering torch.cuda.stream.
+        # From the pool of the stream that writes it first, so no work queued on another stream still owns it.
         if stream is None:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         with torch.cuda.stream(stream):
@@ -152,12 +136,8 @@ class CudaTransport:
         return a is b or a.stream_id == b.stream_id
 
     def capturing(self, stream: Stream) -> bool:
-        """Whether a graph capture would take a stage on ``stream``.
-
-        Asks of the current device's current stream (a ``torch.cuda.graph`` body, where even a fence
-        query on another stream breaks the capture), the pool device's current stream and ``stream``,
-        each made current for torch's question in turn. Another thread's capture goes unseen.
-        """
+        """Whether the current device's current stream (a ``torch.cuda.graph`` body), the pool device's current
+        stream or ``stream`` is capturing, each asked in turn; another thread's capture goes unseen."""
         if _is_capturing is None or _set_device is None:
             return False
         if _is_capturing():
@@ -179,10 +159,9 @@ class CudaTransport:
 
     def resolve_for_stage(self, stream: Stream | None) -> tuple[Stream, bool]:
         """``resolve_stream`` and ``capturing`` at once: two C calls when no stream is passed and the pool's
-        device is current, where one capture query covers all three streams ``capturing`` asks about.
-        """
+        device is current, where one capture query covers all three streams ``capturing`` asks about."""
         if stream is None and _is_capturing is not None:
-            stream_id, device, device_type = _current_stream_of(-1)  # -1: the current device's, with its index
+            stream_id, device, device_type = _current_stream_of(-1)
             if device == self.index:
                 return self._current_stream(stream_id, device, device_type), bool(_is_capturing())
         resolved = self.resolve_stream(stream)

@@ -1,10 +1,4 @@
-"""``land``: a kernel stores its output straight into a ring slot's pinned memory (zero-copy read-back).
-
-A landing field (``Field.landing``) stages, in the step's one copy, each live row's pinned host
-address (0 on padding rows); ``land``, captured with the graph, stores each value there, so no copy
-follows the step. Launch it before the stage closes (so the slot's fence follows it) and read the
-values through the ``Landing`` handle. Needs a pool with ``PoolSettings(zero_copy=True)``.
-"""
+"""``land``: a kernel stores its output straight into a slot's pinned memory (docs/layouts.md, landings)."""
 
 from __future__ import annotations
 
@@ -17,10 +11,8 @@ import torch
 
 from pinpool.exceptions import DeviceMismatchError, StagingTypeError, StagingValueError
 
-#: The dtypes a writer may hand ``land`` (each value is stored as its landing's dtype).
-LANDING_DTYPES = (torch.int64, torch.int32, torch.float32)
-#: struct format per landing tag (``pinpool.layout.LANDING_TAG``): what the reference stores.
-_PACK = {0: "=q", 1: "=i", 2: "=f"}
+LANDING_DTYPES = (torch.int64, torch.int32, torch.float32)  # what ``land`` takes; stored as the landing's dtype
+_PACK = {0: "=q", 1: "=i", 2: "=f"}  # struct format per landing tag (``pinpool.layout.LANDING_TAG``)
 
 
 def __getattr__(name: str) -> Any:
@@ -33,12 +25,9 @@ def __getattr__(name: str) -> Any:
 
 
 def land(values: torch.Tensor, addresses: torch.Tensor) -> None:
-    """Store ``values[i]`` at host address ``addresses[i]`` for each i whose address is not 0.
-
-    ``addresses``: int64 as a landing staged them, each tagged in its two low bits with the landing's
-    dtype, which the value is stored as. CUDA tensors: one capturable kernel on the current stream;
-    CPU tensors: ``land_reference``, or the kernel under ``TRITON_INTERPRET=1``.
-    """
+    """Store ``values[i]`` at host address ``addresses[i]`` (int64, its landing's dtype tagged in the two low
+    bits) for each i whose address is not 0. CUDA: one capturable kernel on the current stream; CPU:
+    ``land_reference``, or the kernel under ``TRITON_INTERPRET=1``."""
     _check(values, addresses)
     if values.numel() == 0:
         return
@@ -46,8 +35,8 @@ def land(values: torch.Tensor, addresses: torch.Tensor) -> None:
         from pinpool.landing_kernel import launch_land
 
         launch_land(values, addresses)
-        return
-    land_reference(values, addresses)
+    else:
+        land_reference(values, addresses)
 
 
 def land_reference(values: torch.Tensor, addresses: torch.Tensor) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -11,11 +13,8 @@ BLOCK = 256
 
 @triton.jit
 def store_landed(addr, value, mask):
-    """Store ``value`` at a tagged landing address as the landing's dtype (``pinpool.layout.LANDING_TAG``).
-
-    Tag 0: int64, 1: int32, 2: float32; address 0 (a padding row) and tag 3 store nothing. The
-    width comes from the landing, never the writer: a store cannot run past the landing's bytes.
-    """
+    """Store ``value`` at a tagged landing address as the landing's dtype (``LANDING_TAG``: 0 int64, 1 int32,
+    2 float32); address 0 (padding) and tag 3 store nothing, and no store runs past the landing."""
     tag = addr & 3
     base = addr - tag
     live = mask & (addr != 0)
@@ -29,17 +28,13 @@ def _land_kernel(values_ptr, addr_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     addr = tl.load(addr_ptr + offs, mask=inside, other=0)  # 0 on padding rows
-    values = tl.load(values_ptr + offs, mask=inside, other=0)
-    store_landed(addr, values, inside)
+    store_landed(addr, tl.load(values_ptr + offs, mask=inside, other=0), inside)
 
 
 def launch_land(values: torch.Tensor, addresses: torch.Tensor) -> None:
     """One ``_land_kernel`` over ``values`` [n] and ``addresses`` [n] int64, already checked by ``land``."""
     n = values.numel()
-    grid = (triton.cdiv(n, BLOCK),)
     # Triton launches on the current device's stream: run under the tensors' device.
-    if values.device.type == "cuda" and values.device.index != torch.cuda.current_device():
-        with torch.cuda.device(values.device):
-            _land_kernel[grid](values, addresses, n, BLOCK=BLOCK)
-        return
-    _land_kernel[grid](values, addresses, n, BLOCK=BLOCK)
+    other = values.device.type == "cuda" and values.device.index != torch.cuda.current_device()
+    with torch.cuda.device(values.device) if other else contextlib.nullcontext():
+        _land_kernel[(triton.cdiv(n, BLOCK),)](values, addresses, n, BLOCK=BLOCK)

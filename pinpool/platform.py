@@ -1,10 +1,4 @@
-"""The start-up platform check behind zero-copy stages, and the device alias of the pinned slab.
-
-Kernels read a zero-copy slot through its device address (UVA), sound only when the memory is
-page-locked and read live: confidential-compute hosts can return pageable memory from
-``pin_memory=True`` (vLLM #50671, #57224) and WSL2 can lack UVA (vLLM #47579), and kernels would
-read garbage with no error. A failed check refuses zero-copy stages; copy stages keep working.
-"""
+"""The zero-copy start-up platform check (why: docs/rules.md, "The platform check") and the slab's device alias."""
 
 from __future__ import annotations
 
@@ -16,8 +10,7 @@ import torch
 
 from pinpool.exceptions import PlatformError, PoolStateError
 
-#: GPU sleeps (cycles) queued ahead of the probe's read kernel, so that the host write lands first.
-_PROBE_SLEEP_CYCLES = (10_000_000, 100_000_000)
+_PROBE_SLEEP_CYCLES = (10_000_000, 100_000_000)  # GPU sleeps ahead of the read kernel, so the host write lands first
 _PROBE_BYTES = 64
 
 
@@ -64,13 +57,11 @@ def in_place_report(where: str) -> PlatformReport:
 def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A uint8 CUDA tensor at ``host``'s own address (UVA) on ``device``; the caller keeps ``host`` alive."""
     interface = {"shape": (host.numel(),), "typestr": "|u1", "data": (host.data_ptr(), False), "version": 3}
-    # torch wraps the pointer without a copy, keeping the namespace (so ``host``) alive, on the device
-    # whose context pinned the memory; pinned memory is readable from every device, so wrap it for ``device``.
+    # No copy; the namespace keeps ``host`` alive. torch puts it on the device whose context pinned the
+    # memory, and pinned memory is readable from every device, so rewrap it for ``device``.
     alias = torch.as_tensor(SimpleNamespace(host=host, __cuda_array_interface__=interface))
-    if alias.device == device:
-        return alias
     construct = getattr(torch._C, "_construct_storage_from_data_pointer", None)
-    if construct is None:
+    if alias.device == device or construct is None:
         return alias  # on another device: the caller's check refuses it
     storage = construct(host.data_ptr(), device, host.numel())
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (host.numel(),), (1,))
@@ -112,9 +103,7 @@ def check_cuda(host_slab: torch.Tensor, device: torch.device) -> tuple[PlatformR
 
 def kernel_sees_host_write(host: torch.Tensor, alias: torch.Tensor, index: int) -> bool | None:
     """Queue a read of ``alias`` behind a GPU sleep, then write ``host``: did the kernel read the new bytes?
-
-    None: the sleep always ended before the host wrote, so the probe cannot tell.
-    """
+    None: the sleep always ended before the host wrote, so the probe cannot tell."""
     n = min(_PROBE_BYTES, host.numel())
     host_np = host[:n].numpy()
     new = (torch.arange(n, dtype=torch.int16) * 37 + 11) % 251 + 1  # nonzero, not a simple ramp
@@ -129,8 +118,7 @@ def kernel_sees_host_write(host: torch.Tensor, alias: torch.Tensor, index: int) 
                 asleep.record(stream)
                 read = alias[:n].to(torch.int16)  # an elementwise kernel: reads the host bytes when it runs
             host_np[:] = new_bytes
-            # Still asleep *after* the write: the read kernel had not started.
-            still_asleep = not asleep.query()  # type: ignore[no-untyped-call]
+            still_asleep = not asleep.query()  # type: ignore[no-untyped-call]  # after the write: read not started
             stream.synchronize()  # sync-ok: start-up platform check, once per pool created with zero_copy
             if still_asleep:
                 return bool(torch.equal(read.cpu(), new))  # sync-ok: after the stream sync above

@@ -1,4 +1,4 @@
-"""``PoolSettings``: the one frozen, validated configuration of a ``PinnedRingBuffer``."""
+"""``PoolSettings``: the one frozen, validated configuration of a ``PinnedRingBuffer`` (docs/rules.md, Settings)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ import torch
 from pinpool.exceptions import SettingsError, SettingsTypeError, SettingsWarning
 
 ENV_PREFIX = "PINPOOL_"
-#: How near a settings variable an unknown ``PINPOOL_*`` name must be to warn as its typo (difflib ratio).
-TYPO_CUTOFF = 0.85
-#: Where a pool's slab and mirror can live: transports exist for these only.
-DEVICE_TYPES = ("cpu", "cuda")
+TYPO_CUTOFF = 0.85  # how near a field's variable an unknown ``PINPOOL_*`` name must be to warn as its typo
+DEVICE_TYPES = ("cpu", "cuda")  # transports exist for these only
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 class OverflowPolicy(enum.Enum):
@@ -51,8 +50,7 @@ def _to_device(value: str | torch.device) -> torch.device:
         raise SettingsError(f"'device' must name a torch device such as 'cuda:0' or 'cpu' (got {value!r})") from exc
     if device.type not in DEVICE_TYPES:  # 'meta' has no memory to stage into; others have no transport
         raise SettingsError(f"'device' must be a {' or '.join(DEVICE_TYPES)} device (got {value!r})")
-    if device.type == "cuda" and device.index is None:
-        # Pinned now: events, streams and the mirror must agree on one device whatever the current one becomes.
+    if device.type == "cuda" and device.index is None:  # pinned now, whatever the current device becomes
         device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     return device
 
@@ -69,23 +67,17 @@ def _to_policy(value: str | OverflowPolicy) -> OverflowPolicy:
 class PoolSettings:
     """How big the ring is, where its mirror lives, and how strict it is."""
 
-    #: Default: the current CUDA device if there is one, else the CPU (same API, no events).
-    device: torch.device = attrs.field(
+    device: torch.device = attrs.field(  # the current CUDA device if there is one, else the CPU
         default=attrs.Factory(lambda: torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         converter=_to_device,
     )
     slot_bytes: int = attrs.field(default=1 << 20, validator=_int_at_least(64))  #: the most one stage carries
-    #: At least the stages the GPU may lag behind the host, or the host waits on slot events.
-    num_slots: int = attrs.field(default=4, validator=_int_at_least(2))
-    #: Every put starts on this boundary, so dtype views and vectorised kernel loads stay aligned.
-    alignment: int = attrs.field(default=16, validator=_int_at_least(1, power_of_two=True))
+    num_slots: int = attrs.field(default=4, validator=_int_at_least(2))  #: >= the stages the GPU may lag the host
+    alignment: int = attrs.field(default=16, validator=_int_at_least(1, power_of_two=True))  #: of every put
     overflow: OverflowPolicy = attrs.field(default=OverflowPolicy.RAISE, converter=_to_policy)
-    #: Thread-ownership and lease checks; a recycled slot's device region poisoned (0xFF: NaN, -1).
-    debug: bool = attrs.field(default=False, validator=_bool)
-    #: Log ``slot.stall`` at every host wait on a slot event (the stats count stalls either way).
-    log_stalls: bool = attrs.field(default=False, validator=_bool)
-    #: Allow ``pool.stage(zero_copy=True)``: runs the platform check (one host sync) and builds device aliases.
-    zero_copy: bool = attrs.field(default=False, validator=_bool)
+    debug: bool = attrs.field(default=False, validator=_bool)  #: owner-thread and lease checks, poisoned slots
+    log_stalls: bool = attrs.field(default=False, validator=_bool)  #: log ``slot.stall`` at every host wait
+    zero_copy: bool = attrs.field(default=False, validator=_bool)  #: run the platform check, allow in-place stages
 
     def __attrs_post_init__(self) -> None:
         if self.alignment < 8:
@@ -111,16 +103,11 @@ class PoolSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> PoolSettings:
-        """Settings from ``PINPOOL_<FIELD>`` variables, overrides winning.
-
-        A ``PINPOOL_*`` name that is no field but nearly spells one (``PINPOOL_NUM_SLOT``) warns as a
-        typo; other ``PINPOOL_*`` names belong to tools built on the pool and pass in silence.
-        """
+        """Settings from ``PINPOOL_<FIELD>`` variables, overrides winning; a near-miss name warns as a typo."""
         env = os.environ if environ is None else environ
         fields = {ENV_PREFIX + field.name.upper(): field for field in attrs.fields(cls)}
         for var in sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in fields):
-            close = difflib.get_close_matches(var, sorted(fields), n=1, cutoff=TYPO_CUTOFF)
-            if close:
+            if close := difflib.get_close_matches(var, sorted(fields), n=1, cutoff=TYPO_CUTOFF):
                 msg = f"'{var}' is not a pinpool variable and is ignored (did you mean {close[0]}?)"
                 warnings.warn(msg, SettingsWarning, stacklevel=2)
         values = {field.name: _parse_env(var, env[var], field.type) for var, field in fields.items() if var in env}
@@ -134,9 +121,7 @@ def _parse_env(var: str, raw: str, kind: Any) -> Any:
         except ValueError as exc:
             raise SettingsError(f"'{var}' must be an integer (got {raw!r})") from exc
     if kind in ("bool", bool):
-        if (word := raw.strip().lower()) in ("1", "true", "yes", "on"):
-            return True
-        if word in ("0", "false", "no", "off", ""):
-            return False
+        if (word := raw.strip().lower()) in _TRUE + _FALSE:
+            return word in _TRUE
         raise SettingsError(f"'{var}' must be one of 1/0/true/false/yes/no/on/off (got {raw!r})")
     return raw

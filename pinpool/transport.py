@@ -1,10 +1,6 @@
-"""How bytes and fences move: the one seam between the ring's rules and a device.
-
-The ring never calls CUDA itself: a ``Transport`` gives it memory, fences, stream waits and
-copies, so the same rules run on CUDA (``pinpool.cuda``), on host memory (``HostTransport``,
-rule 7) and on the CPU tests' simulator (``pinpool.testing.LaggingGpu``). Streams are explicit:
-``resolve_stream`` fixes one when an operation opens and every later call carries it (rule 2).
-"""
+"""The one seam between the ring's rules and a device: a ``Transport`` gives memory, fences, stream waits and
+copies, on CUDA (``pinpool.cuda``), host memory (``HostTransport``, rule 7) or the simulator (``LaggingGpu``).
+Streams are explicit: ``resolve_stream`` fixes one when an operation opens and every later call carries it."""
 
 from __future__ import annotations
 
@@ -36,32 +32,24 @@ class Transport(Protocol):
     path: str  # how copies and fences are made, for logs: "torch", "host", "simulated"
 
     def alloc_host(self, nbytes: int) -> torch.Tensor: ...
-    # Device memory for ``stream`` to write first (None: the current stream).
-    def alloc_device(self, nbytes: int, stream: Stream = None) -> torch.Tensor: ...
+    def alloc_device(self, nbytes: int, stream: Stream = None) -> torch.Tensor: ...  # for ``stream`` to write first
     def new_fence(self) -> Fence: ...
-    # ``stream`` checked against the pool's device, or the device's current stream now.
+    # ``stream`` checked against the pool's device, or (None) the device's current stream now.
     def resolve_stream(self, stream: Stream | None) -> Stream: ...
     def same_stream(self, a: Stream, b: Stream) -> bool: ...
-    # Whether a graph capture would take a stage on ``stream``: ``stream``, the pool device's
-    # current stream or the current device's current stream is capturing.
+    # True when ``stream``, the pool device's current stream or the current device's current stream is capturing.
     def capturing(self, stream: Stream) -> bool: ...
-    # ``(resolve_stream(stream), capturing(that stream))`` in as few calls as the path allows.
-    def resolve_for_stage(self, stream: Stream | None) -> tuple[Stream, bool]: ...
-    # One copy of ``src`` into ``dst`` on ``stream``: pinned host to device, or back.
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None: ...
-    # Make ``waiter`` wait on the device for ``fence``: never a host wait.
-    def stream_wait(self, waiter: Stream, fence: Fence) -> None: ...
+    def resolve_for_stage(self, stream: Stream | None) -> tuple[Stream, bool]: ...  # both of the above, cheaply
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None: ...  # host to device, or back
+    def stream_wait(self, waiter: Stream, fence: Fence) -> None: ...  # on the device: never a host wait
     def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream) -> None: ...
-    # Whether kernels can read ``host_slab`` in place and, if so, its device-readable alias;
-    # called once, when a pool with ``PoolSettings(zero_copy=True)`` is created.
+    # Once, at a zero-copy pool's creation: can kernels read ``host_slab`` in place, and its device alias if so.
     def check_zero_copy(self, host_slab: torch.Tensor) -> tuple[PlatformReport, torch.Tensor | None]: ...
 
 
 def wait_for_streams(transport: Transport, waiter: Stream, others: Iterable[tuple[Stream, Fence]]) -> None:
-    """Make ``waiter`` wait, on the device, for the work queued so far on each other stream: never a host wait.
-
-    ``others``: (stream, a fence of its own to record there); ``waiter`` itself is skipped (stream order).
-    """
+    """Make ``waiter`` wait on the device (never the host) for the work queued so far on each other stream.
+    ``others``: (stream, a fence of its own to record there); ``waiter`` itself is skipped (stream order)."""
     for other, fence in others:
         if not transport.same_stream(other, waiter):
             fence.record(other)
@@ -70,26 +58,21 @@ def wait_for_streams(transport: Transport, waiter: Stream, others: Iterable[tupl
 
 def drain(transport: Transport, streams: Iterable[Stream], fences: Iterable[Fence]) -> None:
     """Teardown's host wait: for ``fences`` and for the work queued so far on each of ``streams``."""
+    waits = list(fences)
     distinct: list[Stream] = []
     for stream in streams:
         if not any(transport.same_stream(stream, seen) for seen in distinct):
             distinct.append(stream)
-    waits = list(fences)
-    for stream in distinct:
-        fence = transport.new_fence()
-        fence.record(stream)
-        waits.append(fence)
+            waits.append(fence := transport.new_fence())
+            fence.record(stream)
     for fence in waits:
         if not fence.query():
             fence.synchronize()  # sync-ok: teardown, once per pool; nothing is freed under queued work
 
 
 class HostWaitGuard:
-    """Refuses a pool fence's host wait inside ``pinpool.testing.no_sync`` (``depth``: its open blocks).
-
-    The fence waits through a raw binding that torch's sync debug mode does not see, so it asks
-    here; the test tool sets the state, so that the library imports no test tool.
-    """
+    """Refuses a pool fence's host wait inside ``pinpool.testing.no_sync`` (``depth``: its open blocks); lives
+    here so the library imports no test tool, and asked because torch's sync debug mode misses raw bindings."""
 
     __slots__ = ("depth",)
 
@@ -101,12 +84,11 @@ class HostWaitGuard:
             raise HostSyncError(f"{what} inside no_sync()")
 
 
-#: The one guard every pool fence asks before a host wait.
-host_waits = HostWaitGuard()
+host_waits = HostWaitGuard()  # the one guard every pool fence asks before a host wait
 
 
 class _NoFence:
-    """Host memory needs no fence: a copy is done when ``copy`` returns, so recording and waiting do nothing."""
+    """Host copies are done when ``copy`` returns, so recording and waiting do nothing."""
 
     def record(self, stream: Stream) -> None: ...
     def synchronize(self) -> None: ...
