@@ -1,13 +1,4 @@
-"""pinpool: a persistent pinned staging ring for per-step GPU metadata.
-
-One ``PinnedRingBuffer`` per worker and device. ``pool.stage()`` claims a slot, takes values
-into pinned host memory and lands them on the device with one asynchronous copy. A step
-whose shape repeats declares it once as a ``Layout`` of ``Field``s; the same layout lands in
-the ring (``pool.stage(layout, rows=n)``), in a fixed ``DeviceBlock`` a CUDA graph captures,
-in device memory the caller owns (``owned=``) or in the pinned slot itself
-(``zero_copy=True``). Test tools (the stream-aware simulator, ``no_sync``) are in
-``pinpool.testing``.
-"""
+"""pinpool: a persistent pinned staging ring for per-step GPU metadata; test tools are in ``pinpool.testing``."""
 
 #: The one place the version is written: pyproject.toml reads it (``[tool.setuptools.dynamic]``).
 __version__ = "0.2.0"

@@ -1,23 +1,4 @@
-"""``DeviceBlock``: a layout's fixed device home, for CUDA graphs, landed each step by one copy.
-
-A captured graph reads its inputs at the addresses it saw at capture. Ring views rotate
-between slots, so a graph cannot read them; a block's views do not move: ``views(rows)``
-are the same tensors every step. Each graph size has its own layout in the same
-allocation, and a step copies only its own size's bytes, padding included::
-
-    block = DeviceBlock(pool, layout)              # one device allocation, made once
-    with block.stage(rows=16, live=13) as st:      # a stage placed in the block
-        st.put("positions", positions)             # live rows; padding is written on flush
-        st.flush()
-        graph.replay()                             # reads block.views(16)
-
-Streams. The copy runs on the stage's stream. Work that reads the block on that stream is
-ordered by the stream. A replay on another stream must be registered
-(``register_reader``): before the copy, the stage's stream waits on the device for the work
-queued on each reader so far (the previous replay), and each reader waits for the copy
-before its next work. A copy on another stream than the last one waits for that one. No
-host wait. An aborted step copies nothing: the block keeps the last step's values.
-"""
+"""``DeviceBlock``: a layout's fixed device home for CUDA graphs, one copy a step (streams: docs/layouts.md)."""
 
 from __future__ import annotations
 
@@ -47,15 +28,13 @@ class DeviceBlock:
             )
         self.pool, self.layout = pool, layout
         transport = self._transport = pool.transport
-        # The block comes from the caching allocator on the device's current stream, which may
-        # still have work queued on that memory: the first copy on another stream waits for it.
+        # The caching allocator hands out memory the current stream may still use: a copy elsewhere waits for it.
         alloc_stream = transport.resolve_stream(None)
-        #: The one device allocation every row count's layout lives in (uint8).
+        #: The one uint8 device allocation every row count's layout lives in.
         self.device_block = transport.alloc_device(need, alloc_stream)
         self._writer: Stream = alloc_stream
-        self._writer_fence = transport.new_fence()
+        self._writer_fence, self._landed = transport.new_fence(), transport.new_fence()
         self._readers: list[tuple[Stream, Fence]] = []
-        self._landed = transport.new_fence()
         self._seen_streams: list[Stream] = [alloc_stream]
         self._views: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -76,9 +55,8 @@ class DeviceBlock:
         self._note_stream(st.stream)
         return st
 
-    # -- streams -----------------------------------------------------------------------
     def register_reader(self, stream: Stream) -> None:
-        """Declare a stream (a graph replay's) that reads the block; see the module's stream rules."""
+        """Declare a stream (a graph replay's) reading the block: each copy waits for its work, and it for the copy."""
         transport = self._transport
         stream = transport.resolve_stream(stream)
         if any(transport.same_stream(r, stream) for r, _ in self._readers):
@@ -94,8 +72,7 @@ class DeviceBlock:
         return tuple(r for r, _ in self._readers)
 
     def record_stream(self, stream: Stream) -> None:
-        """Declare a stream that touches the block outside stages and readers (device-to-device writes
-        into ``views``, say), so its memory is not reused while that stream may use it."""
+        """Declare a stream that touches the block outside stages and readers, so its memory outlives that use."""
         self._note_stream(self._transport.resolve_stream(stream))
 
     def wait_for_readers(self, stream: Stream) -> None:
@@ -106,9 +83,8 @@ class DeviceBlock:
     def before_copy(self, stream: Stream) -> None:
         """The previous readers and the previous writer come before this copy (rule 2)."""
         self.wait_for_readers(stream)
-        writer = self._writer
-        if writer is not stream:
-            wait_for_streams(self._transport, stream, ((writer, self._writer_fence),))
+        if self._writer is not stream:
+            wait_for_streams(self._transport, stream, ((self._writer, self._writer_fence),))
         self._writer = stream
 
     def after_copy(self, stream: Stream) -> None:
@@ -121,9 +97,8 @@ class DeviceBlock:
                 transport.stream_wait(reader, self._landed)
 
     def _note_stream(self, stream: Stream) -> None:
-        # torch's caching allocator frees a block for reuse by its allocation stream only: a
-        # block also used on other streams is recorded there, so teardown cannot hand it out
-        # while a copy or a replay queued on them may still touch it.
+        # The caching allocator reuses freed memory on its allocation stream only: record the block on every
+        # other stream, so teardown cannot hand it out while work queued there may touch it.
         seen = self._seen_streams
         if stream is seen[-1] or any(self._transport.same_stream(s, stream) for s in seen):
             return

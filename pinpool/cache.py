@@ -1,8 +1,4 @@
-"""``BoundedCache``: the one policy of every cache in the pool's hot paths.
-
-A decode loop repeats the same layout every step, so hits are the rule; a caller whose
-layout keeps changing starts a fresh cache instead of growing it without end.
-"""
+"""``BoundedCache``: the one policy of every cache in the pool's hot paths."""
 
 from __future__ import annotations
 
@@ -11,8 +7,7 @@ from typing import Generic, TypeVar
 K = TypeVar("K")
 V = TypeVar("V")
 
-#: Entries per cache. A decode loop uses a handful per slot; past this, the caller's
-#: layout is not repeating and the cache starts over (bounded memory, one rule).
+#: A decode loop uses a handful per slot; past this, the caller's layout is not repeating: start over.
 CACHE_LIMIT = 256
 
 

@@ -1,8 +1,5 @@
-"""Writing user values straight into a pinned host view (one numpy assignment), exactly or not at all.
-
-A conversion that would change a value (1.5 or 2**40 into int32, NaN into an integer, 1e39 into
-float32) raises: a scheduler bug must not become a silently wrong sampling parameter.
-"""
+"""User values written straight into a pinned host view, exactly or not at all: a conversion that
+would change a value (1.5 into int32, NaN into an integer, 1e39 into float32) raises."""
 
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ from pinpool.cache import BoundedCache
 from pinpool.exceptions import DeviceMismatchError, StagingTypeError, StagingValueError
 
 _TWINS = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
-#: torch dtype -> the numpy dtype of the host view (bfloat16 has none: it is written through torch).
+#: bfloat16 has no numpy twin: it is written through torch.
 NUMPY_DTYPE: dict[torch.dtype, np.dtype[Any]] = {getattr(torch, name): np.dtype(name) for name in _TWINS}
 SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset([*NUMPY_DTYPE, torch.bfloat16])
 _INT_RANGE = {d: (int(np.iinfo(d).min), int(np.iinfo(d).max)) for d in NUMPY_DTYPE.values() if d.kind in "iu"}
@@ -40,7 +37,7 @@ def check_dtype(dtype: Any, name: str) -> torch.dtype:
 
 
 def as_source(values: Any, dtype: torch.dtype | None, name: str) -> tuple[Any, torch.dtype, tuple[int, ...]]:
-    """Normalise ``values``, not yet copied, to (a numpy array, CPU bfloat16 tensor or flat sequence, dtype, shape)."""
+    """``values``, not yet copied, as (a numpy array, CPU bfloat16 tensor or flat sequence, dtype, shape)."""
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise DeviceMismatchError(
@@ -95,29 +92,23 @@ def write(dst: np.ndarray[Any, Any] | torch.Tensor, src: Any, target: torch.dtyp
     write_list(dst, src, target, name)
 
 
-# Lists of these dtypes go through ``struct`` first (``Stage.put``'s hot path).
 _STRUCT_CODE = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d"}
-#: (dtype, numel) -> the ``struct.Struct`` that packs a list of that length, built on first use.
 PACKERS: BoundedCache[tuple[torch.dtype, int], struct.Struct] = BoundedCache()
 
 
 def packer_for(dtype: torch.dtype, numel: int) -> struct.Struct | None:
-    """The packer of a ``numel``-long list of ``dtype`` (cached in ``PACKERS``); None for a dtype struct lacks.
-
-    ``pack_into(buffer, offset, *values)`` checks each element itself (ints in range, floats that
-    fit: no second pass) at half ``write_list``'s cost. When it raises, maybe after writing part
-    of the range (past the stage's committed bytes), the caller falls back to ``write``.
-    """
+    """The cached packer of a ``numel``-long list of ``dtype`` (None if struct lacks it); ``pack_into`` checks each
+    element. When it raises, maybe after a partial write past the committed bytes, the caller uses ``write``."""
     code = _STRUCT_CODE.get(dtype)
     return None if code is None else PACKERS.put((dtype, numel), struct.Struct(f"={numel}{code}"))
 
 
 def write_list(dst: np.ndarray[Any, Any], src: Any, target: torch.dtype, name: str) -> None:
-    """Write a flat Python sequence, parsed by numpy in C straight into the slot."""
+    """Write a flat Python sequence, parsed by numpy in C straight into the slot, or raise."""
     kind = dst.dtype.kind
     if kind == "f":
         try:
-            with np.errstate(over="ignore"):  # overflow is raised below, as a typed error
+            with np.errstate(over="ignore"):  # raised below, typed
                 dst[:] = src
         except OverflowError as exc:  # an int too large for any float (10**400)
             raise StagingValueError(f"'{name}' holds a number too large for {target} ({exc})") from exc
@@ -136,8 +127,7 @@ def write_list(dst: np.ndarray[Any, Any], src: Any, target: torch.dtype, name: s
             exact = False
         if exact:
             return
-        # An int too big for int64 makes numpy parse the whole list as float64, where 2**63
-        # and 2**63 - 1 compare equal: check Python ints exactly, here.
+        # An int past int64 makes numpy parse the list as float64, where 2**63 == 2**63 - 1: check ints here.
         lo, hi = _INT_RANGE[dst.dtype]
         for value in src:
             if isinstance(value, int) and not lo <= value <= hi:
@@ -166,8 +156,7 @@ def _write_array(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], name: str
                 raise StagingValueError(f"'{name}' must hold whole numbers for {want} (got {bad})")
         if kind != "b" and flat.size and not np.can_cast(flat.dtype, want):
             lo, hi = _INT_RANGE[want]
-            # Floats compare against hi + 1 (a power of two, exact in float64): float64 rounds
-            # hi itself up to it, so "> hi" would let 2**63 through into int64.
+            # Floats compare against hi + 1 (exact in float64, which rounds hi up to it): "> hi" passes 2**63.
             outside = (flat < lo) | ((flat >= hi + 1) if kind == "f" else (flat > hi))
             if outside.any():
                 raise StagingValueError(f"'{name}' must fit {want} [{lo}, {hi}] (got {flat[outside][0]})")

@@ -1,9 +1,5 @@
-"""Every error pinpool raises on purpose.
-
-Each subclasses the standard exception a caller already catches (``except ValueError`` keeps
-working). Messages read ``'<parameter>' must <rule> (got <value>)``, plus the fix when there is one.
-``pinpool`` exports the eight a caller catches; the refinements are ``PoolStateError`` subclasses.
-"""
+"""Every error pinpool raises on purpose, each also the standard exception a caller already catches.
+Messages read ``'<parameter>' must <rule> (got <value>)``, plus the fix when there is one."""
 
 
 class PinpoolError(Exception):

@@ -1,17 +1,4 @@
-"""``Layout``: a step's fields, declared once, and where each lands for a given row count.
-
-A decode step repeats its shape: the same fields, the same dtypes, a row count that
-changes. A ``Layout`` holds the fields; ``plan(rows)`` says where each one sits for a
-batch padded to ``rows``, worked out from the declaration alone (field-major, each field
-aligned to ``FIELD_ALIGN``), never from what an earlier call did. A landing is a field
-kind: the field holds, per live row, the pinned host address a kernel stores that row's
-result at (``Field.landing``); padding rows hold 0 and store nothing.
-
-The same layout lands in any placement a stage opens with: the ring's mirror
-(``pool.stage(layout, rows=...)``), a fixed device block a CUDA graph captures
-(``DeviceBlock``), device memory the caller owns (``owned=``) or the pinned slot itself
-(``zero_copy=True``).
-"""
+"""``Layout``: a step's fields, declared once, and where each sits for a given row count (docs/layouts.md)."""
 
 from __future__ import annotations
 
@@ -25,22 +12,17 @@ import torch
 from pinpool.encode import NUMPY_DTYPE, int_in_range, write
 from pinpool.exceptions import SettingsError, StagingTypeError, StagingValueError
 
-#: Each field's first byte is aligned to this, whatever the dtypes around it.
 FIELD_ALIGN = 16
-#: How long a ring view lives (a stage's device views, a read-back's or a landing's values),
-#: said once. Claims take the slots in turn, so a view's slot comes round again on the
-#: ``num_slots``-th claim after its own. Every claim counts (``PinnedRingBuffer.claims``).
+#: How long a ring view lives (a stage's device views, a read-back's or a landing's values); docs/rules.md.
 VIEW_LIFETIME = "num_slots - 1 further claims of the ring"
-#: What a landing may carry, with each value's size.
 LANDING_ITEMSIZE = {torch.int64: 8, torch.int32: 4, torch.float32: 4}
-#: Each landed value's address carries its landing's dtype in its two low bits (free: the
-#: values are at least 4-byte aligned), so a writer stores exactly that dtype whatever it
-#: computed: an int64 token into an int32 landing never runs past it.
+#: A landed value's address carries its dtype in its two low bits (free: values are 4-byte aligned), so a
+#: writer stores exactly that dtype whatever it computed, never past the landing.
 LANDING_TAG = {torch.int64: 0, torch.int32: 1, torch.float32: 2}
 
 
 def align_up(nbytes: int, align: int) -> int:
-    """The first multiple of ``align`` at or past ``nbytes``: where the next claim in a slot starts."""
+    """The first multiple of ``align`` at or past ``nbytes``."""
     return (nbytes + align - 1) // align * align
 
 
@@ -58,11 +40,7 @@ def landing_column(numel: int, dtype: torch.dtype) -> np.ndarray[Any, Any]:
 
 
 def _check_dtype(instance: Any, attribute: Any, value: Any) -> None:
-    try:
-        known = value in NUMPY_DTYPE
-    except TypeError:  # unhashable: certainly no dtype
-        known = False
-    if not known:
+    if not isinstance(value, torch.dtype) or value not in NUMPY_DTYPE:
         raise SettingsError(f"'dtype' of a field must be one of {sorted(map(str, NUMPY_DTYPE))} (got {value!r})")
 
 
@@ -84,10 +62,7 @@ def _check_lands(instance: Field, attribute: Any, value: torch.dtype | None) -> 
 
 @attrs.frozen
 class Field:
-    """One per-row input: ``rows`` elements of ``dtype``; rows past the live ones hold ``pad``.
-
-    ``lands``: a landing of that dtype instead of an input (``Field.landing``).
-    """
+    """One per-row input of ``dtype``; rows past the live ones hold ``pad``. ``lands``: a landing instead."""
 
     name: str = attrs.field(validator=_check_name)
     dtype: torch.dtype = attrs.field(validator=_check_dtype)
@@ -118,16 +93,14 @@ class Layout:
         declared: tuple[Any, ...] = tuple(fields) if isinstance(fields, (list, tuple)) else (fields,)
         if not declared or not all(isinstance(f, Field) for f in declared):
             raise SettingsError(f"'fields' must be a non-empty sequence of Field (got {fields!r})")
-        fields = declared
-        names = [f.name for f in fields]
+        names = [f.name for f in declared]
         if len(set(names)) != len(names):
             raise SettingsError(f"'fields' names must be unique (got {names})")
-        self.fields = fields
+        self.fields = fields = declared
         self.max_rows = max_rows
         self.index = {f.name: i for i, f in enumerate(fields)}
-        #: Each field's pad as a numpy scalar of its dtype, checked now rather than per step.
+        #: Each field's pad as a numpy scalar of its dtype, checked once.
         self.pads = [_pad_scalar(f) for f in fields]
-        #: Indices of the landing fields.
         self.landings = tuple(i for i, f in enumerate(fields) if f.lands is not None)
         #: The bit mask of a step that wrote every input field (landing fields write themselves).
         self.all_written = sum(1 << i for i, f in enumerate(fields) if f.lands is None)
@@ -136,18 +109,14 @@ class Layout:
     def check_rows(self, rows: Any, live: Any = 0) -> None:
         """A typed error for a row count outside ``[0, max_rows]``, or ``live`` real rows outside ``[0, rows]``."""
         if type(rows) is int and type(live) is int and 0 <= live <= rows <= self.max_rows:
-            return  # every open asks: plain ints in range answer without the checks' calls
+            return  # every open asks: plain ints in range skip the calls below
         if not int_in_range(rows, 0, self.max_rows):
             raise StagingValueError(f"'rows' must be an int in [0, max_rows={self.max_rows}] (got {rows!r})")
         if not int_in_range(live, 0, rows):
             raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
 
     def plan(self, rows: int) -> Plan:
-        """Where every field sits for ``rows`` padded rows (``0 <= rows <= max_rows``).
-
-        Computed on each call, not kept: a ring, in-place or block stage keeps what it needs with
-        its slot (``Placed``); an owned stage computes it once per stage.
-        """
+        """Where every field sits for ``rows`` padded rows; not cached (a slot's ``Placed`` keeps it)."""
         self.check_rows(rows)
         offsets, cursor = [], 0
         for size in self.itemsizes:
@@ -166,21 +135,17 @@ class Layout:
             raise StagingValueError(f"'name' must be a declared field, one of {list(self.index)} (got {name!r})")
         return index
 
+    def _spans(self, rows: int, plan: Plan | None) -> zip[tuple[Field, int, int]]:
+        plan = self.plan(rows) if plan is None else plan
+        return zip(self.fields, plan.offsets, self.itemsizes, strict=True)
+
     def host_views(self, raw: np.ndarray[Any, Any], rows: int, plan: Plan | None = None) -> list[np.ndarray[Any, Any]]:
         """Each field's ``rows`` elements as a typed numpy view of ``raw`` (uint8, the layout's bytes)."""
-        plan = self.plan(rows) if plan is None else plan
-        return [
-            raw[off : off + rows * size].view(NUMPY_DTYPE[f.dtype])
-            for f, off, size in zip(self.fields, plan.offsets, self.itemsizes, strict=True)
-        ]
+        return [raw[off : off + rows * size].view(NUMPY_DTYPE[f.dtype]) for f, off, size in self._spans(rows, plan)]
 
     def device_views(self, raw: torch.Tensor, rows: int, plan: Plan | None = None) -> dict[str, torch.Tensor]:
         """name -> each field's ``rows`` elements as a typed view of ``raw`` (uint8 device memory)."""
-        plan = self.plan(rows) if plan is None else plan
-        return {
-            f.name: raw[off : off + rows * size].view(f.dtype)
-            for f, off, size in zip(self.fields, plan.offsets, self.itemsizes, strict=True)
-        }
+        return {f.name: raw[off : off + rows * size].view(f.dtype) for f, off, size in self._spans(rows, plan)}
 
     def host_image(self, rows: int, live: int) -> HostImage:
         """A plain host copy of the layout for (``rows``, ``live``), padding already written."""
@@ -189,21 +154,19 @@ class Layout:
 
 
 class HostImage:
-    """A host copy (plain memory) of one step's layout, for ``Stage.put_image``: one memcpy a step.
-
-    ``views[name]``: that field's ``live`` rows, to fill; padding rows already hold the pads.
-    """
+    """A plain host copy of one step's layout for ``Stage.put_image``; ``views[name]``: a field's live rows."""
 
     __slots__ = ("data", "layout", "live", "rows", "views")
 
     def __init__(self, layout: Layout, rows: int, live: int) -> None:
         self.layout, self.rows, self.live = layout, rows, live
         self.data = np.zeros(layout.nbytes(rows), np.uint8)
-        self.views: Mapping[str, np.ndarray[Any, Any]] = {}
         columns = layout.host_views(self.data, rows)
         for column, pad in zip(columns, layout.pads, strict=True):
             column[live:] = pad
-        self.views = {f.name: column[:live] for f, column in zip(layout.fields, columns, strict=True)}
+        self.views: Mapping[str, np.ndarray[Any, Any]] = {
+            f.name: column[:live] for f, column in zip(layout.fields, columns, strict=True)
+        }
 
 
 def _pad_scalar(f: Field) -> Any:

@@ -1,11 +1,5 @@
-"""The loggers pinpool's packages log through: stdlib ``logging``, by way of structlog.
-
-Each package logs under its own stdlib logger; level and handlers are the application's (the
-library adds none). Where the application configured structlog, events follow it (checked at
-each call). Messages read ``event key=value ...``; ``record.event`` carries the bare name.
-Stable event names: ``pool.created``, ``pool.closed``, ``consumer.registered`` (info);
-``slot.stall``, ``stage.overflow`` (warning); ``stage.aborted`` (debug).
-"""
+"""pinpool's loggers: stdlib ``logging`` by way of structlog (or the application's structlog setup, if any).
+Messages read ``event key=value ...``; ``record.event`` carries the bare name. Events: docs/rules.md, "Logging"."""
 
 import logging
 from collections.abc import Mapping, MutableMapping
@@ -13,12 +7,11 @@ from typing import Any
 
 import structlog
 
-#: The stdlib loggers pinpool's packages log under (one per top-level package).
 PACKAGE_LOGGERS = ("pinpool", "sampling", "memcache")
 
 
 def _to_record(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Mapping[str, Any]:
-    """Render an event as ``logger.<level>()`` kwargs: every field in the message, the name in ``extra``."""
+    """An event as ``logger.<level>()`` kwargs: every field in the message, the name in ``extra``."""
     event = str(event_dict.pop("event"))
     fields = " ".join(f"{key}={value!r}" for key, value in event_dict.items())
     return {"msg": f"{event} {fields}" if fields else event, "extra": {"event": event}}
@@ -37,7 +30,7 @@ class PinpoolLogger:
     def _emit(self, level: int, method: str, event: str, kw: dict[str, Any]) -> None:
         if structlog.is_configured():
             getattr(structlog.get_logger(self._stdlib.name), method)(event, **kw)
-        elif self._stdlib.isEnabledFor(level):  # stdlib caches this per logger: a filtered event costs one check
+        elif self._stdlib.isEnabledFor(level):  # cached per logger: a filtered event costs one check
             getattr(self._structured, method)(event, **kw)
 
     def debug(self, event: str, **kw: Any) -> None:

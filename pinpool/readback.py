@@ -1,9 +1,4 @@
-"""``Readback``: device values brought back to a pinned slot, read when their fence has passed.
-
-``pool.readback(tensor)`` claims a slot like a stage, queues one device-to-pinned copy and
-records the slot's fence after it. The host reads later (step N's tokens while the GPU runs
-step N+1), so the wait in ``values()`` has normally passed already.
-"""
+"""``Readback`` and ``Landing``: device values in a pinned slot, read once the slot's fence has passed."""
 
 from __future__ import annotations
 
@@ -17,7 +12,7 @@ from pinpool.transport import Fence
 
 
 class SlotReads(Protocol):
-    """What a read-back handle asks of its ring, typed here so that this module never imports the ring."""
+    """What a read-back handle asks of its ring (so that this module never imports the ring)."""
 
     def slot_generation(self, slot: int) -> int: ...
 
@@ -25,38 +20,20 @@ class SlotReads(Protocol):
 
 
 class Readback:
-    """A pending device-to-host copy into one ring slot.
-
-    Example::
-
-        handle = pool.readback(next_tokens)   # queued on the current stream, no wait
-        ...                                   # launch the next step
-        tokens = handle.tolist()              # sync-ok: waits only if the copy has not landed
-    """
+    """A pending device-to-host copy into one ring slot (``pool.readback(t)``, docs/rules.md rule 6)."""
 
     __slots__ = ("_fence", "_host", "_landed_seen", "_pool", "armed", "generation", "slot")
 
     def __init__(
-        self,
-        pool: SlotReads,
-        slot: int,
-        generation: int,
-        fence: Fence,
-        host: np.ndarray[Any, Any],
-        armed: bool = True,
+        self, pool: SlotReads, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any], armed: bool = True
     ) -> None:
-        self._pool = pool
-        self.slot = slot
-        self.generation = generation
-        self._fence = fence
-        self._host = host
+        self._pool, self.slot, self.generation, self._fence, self._host = pool, slot, generation, fence, host
         self._landed_seen = False  # a fence once passed stays passed (until the slot is recycled)
         #: Whether the fence covers the values: always for a copy; a ``Landing`` once its stage closed.
         self.armed = armed
 
     @property
     def size(self) -> int:
-        """How many values the handle reads."""
         return int(self._host.size)
 
     def ready(self) -> bool:
@@ -93,11 +70,7 @@ class Readback:
 
 
 class Landing(Readback):
-    """Values a kernel stores straight into a stage's slot through UVA (``Field.landing``, ``Stage.land``).
-
-    The fence covers them once the stage closes successfully (``armed``): reading before that, or
-    after an aborted stage, raises ``PoolStateError``. Then it reads like a ``Readback``. Made unarmed
-    (``armed=False``); the stage's successful close arms it.
-    """
+    """Values a kernel stores straight into a stage's slot (``Field.landing``, ``Stage.land``): made unarmed,
+    armed by the stage's successful close; read before that, or after an abort, it raises ``PoolStateError``."""
 
     __slots__ = ()

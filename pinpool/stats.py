@@ -31,21 +31,13 @@ class Counters:
 
 @attrs.frozen
 class PoolStats(Counters):
-    """A snapshot of a pool's counters (the same fields, frozen), and its zero-copy platform check.
-
-    ``stalls`` and ``stall_seconds`` count the host waits of rule 1 (README), the only ones the
-    pool makes; ``host_allocations`` counts pinned buffers (one at construction, one per spilled
-    put); ``readback_waits`` counts reads of a ``Readback`` whose copy had not landed yet (an
-    overlapped loop keeps it at 0); ``zero_copy_stages`` counts stages read in place (also in
-    ``stages``), and ``platform`` is the start-up check behind them.
-    """
+    """A frozen snapshot of the counters (docs/structure.md says what they count) and the zero-copy ``platform``."""
 
     platform: PlatformReport = attrs.field(factory=PlatformReport.unchecked)
 
     @classmethod
     def of(cls, counters: Counters, platform: PlatformReport | None = None) -> PoolStats:
-        # getattr over a fixed field list: attrs.asdict is several times slower, and engines
-        # read stats every step. (mypy cannot count the star-args, which stop before ``platform``.)
+        # Engines read stats every step: getattr over a fixed list beats attrs.asdict. (mypy cannot count star-args.)
         values = [getattr(counters, name) for name in _FIELDS]
         return cls(*values, platform=platform or PlatformReport.unchecked())  # type: ignore[misc]
 
