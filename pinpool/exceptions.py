@@ -67,4 +67,4 @@ CAPTURE_REFUSAL = (
 )
 
 #: How to make a value fit that did not: the end of every ``CapacityError`` a put or reserve raises.
-CAPACITY_FIX = "raise PoolSettings.slot_bytes (PINPOOL_SLOT_BYTES) or pass overflow='spill'"
+CAPACITY_FIX = "raise PoolSettings.slot_bytes (PINPOOL_SLOT_BYTES)"

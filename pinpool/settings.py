@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import enum
 import os
 import warnings
 from collections.abc import Mapping
@@ -18,13 +17,6 @@ ENV_PREFIX = "PINPOOL_"
 TYPO_CUTOFF = 0.85  # how near a field's variable an unknown ``PINPOOL_*`` name must be to warn as its typo
 DEVICE_TYPES = ("cpu", "cuda")  # transports exist for these only
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
-
-
-class OverflowPolicy(enum.Enum):
-    """What ``put`` does when a value does not fit the rest of its slot."""
-
-    RAISE = "raise"  #: raise ``CapacityError`` before writing (the default: a fallback would hide a mis-sized pool)
-    SPILL = "spill"  #: stage it through a one-off pinned buffer and a second copy, logged and counted (bursts only)
 
 
 def _int_at_least(minimum: int, power_of_two: bool = False) -> Any:
@@ -55,14 +47,6 @@ def _to_device(value: str | torch.device) -> torch.device:
     return device
 
 
-def _to_policy(value: str | OverflowPolicy) -> OverflowPolicy:
-    try:
-        return OverflowPolicy(value)  # a member maps to itself
-    except ValueError as exc:
-        allowed = ", ".join(p.value for p in OverflowPolicy)
-        raise SettingsError(f"'overflow' must be one of {allowed} (got {value!r})") from exc
-
-
 @attrs.frozen(kw_only=True)
 class PoolSettings:
     """How big the ring is, where its mirror lives, and how strict it is."""
@@ -74,7 +58,6 @@ class PoolSettings:
     slot_bytes: int = attrs.field(default=1 << 20, validator=_int_at_least(64))  #: the most one stage carries
     num_slots: int = attrs.field(default=4, validator=_int_at_least(2))  #: >= the stages the GPU may lag the host
     alignment: int = attrs.field(default=16, validator=_int_at_least(1, power_of_two=True))  #: of every put
-    overflow: OverflowPolicy = attrs.field(default=OverflowPolicy.RAISE, converter=_to_policy)
     debug: bool = attrs.field(default=False, validator=_bool)  #: owner-thread and lease checks, poisoned slots
     log_stalls: bool = attrs.field(default=False, validator=_bool)  #: log ``slot.stall`` at every host wait
     zero_copy: bool = attrs.field(default=False, validator=_bool)  #: run the platform check, allow in-place stages

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from pinpool.cache import BoundedCache
-from pinpool.encode import NUMPY_DTYPE, write
+from pinpool.encode import NUMPY_DTYPE
 from pinpool.exceptions import CapacityError, DeviceMismatchError, PoolStateError
 from pinpool.platform import PlatformReport
 from pinpool.settings import PoolSettings
@@ -51,18 +51,6 @@ class SlotMemory:
             hit = self.views.put((id(dst), dtype, start, numel), (dst, typed_view(dst, dtype, start, numel)))
         view: torch.Tensor = hit[1]
         return view
-
-    def spill(
-        self, transport: Transport, stream: Stream, src: Any, dtype: torch.dtype, numel: int, name: str
-    ) -> torch.Tensor:
-        """``src`` landed through a pinned buffer of its own and a second copy on ``stream`` (``overflow='spill'``)."""
-        nbytes = numel * dtype.itemsize
-        host = transport.alloc_host(nbytes)
-        write(host.numpy().view(NUMPY_DTYPE[dtype]) if dtype in NUMPY_DTYPE else host.view(dtype), src, dtype, name)
-        device = transport.alloc_device(nbytes, stream)  # from the pool of the stream that writes it
-        transport.copy(device, host, stream)
-        self.retained.append(host)  # the slot's fence, recorded at close, covers this copy
-        return device.view(dtype)
 
     def readback_views(self, src: torch.Tensor, offset: int, device: torch.device) -> tuple[torch.Tensor, Any, int]:
         """(pinned torch view, numpy view, bytes) a read-back of ``src`` at ``offset`` copies into; typed errors."""

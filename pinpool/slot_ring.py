@@ -184,19 +184,6 @@ class SlotRing:
         counters.bytes_read_back += nbytes
         return Readback(self, slot, generation, fence, host_np)
 
-    def _spill(self, st: Stage, src: Any, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor:
-        """Stage ``src`` outside its slot (``overflow='spill'``): correct, counted, logged, not free."""
-        device = st._mem.spill(self._transport, st.stream, src, dtype, numel, name)
-        nbytes = numel * dtype.itemsize
-        counters = self._counters
-        counters.overflows += 1
-        counters.host_allocations += 1
-        counters.device_allocations += 1
-        counters.copies += 1
-        counters.bytes_copied += nbytes
-        _log.warning("stage.overflow", field=name, nbytes=nbytes, slot_bytes=self.settings.slot_bytes)
-        return device
-
     # -- internals ---------------------------------------------------------------------
     def _claim(self, stream: Stream, placement: Placement, *, writes_mirror: bool) -> int:
         """The next slot, safe to write on the host and guarded on the device for ``stream``, under a new generation."""

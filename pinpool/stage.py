@@ -213,24 +213,20 @@ class Stage:
         numel = math.prod(shape)
         start, nbytes = self._cursor, numel * _ITEMSIZE[target]
         if start + nbytes > min(self.capacity, self.tail):
-            if self._ring.settings.overflow.value != "spill" or self.placement is IN_PLACE:
-                raise self._no_room(nbytes, name)
-            device = self._ring._spill(self, src, target, numel, name)  # raises before queueing on bad values
-            self.copy_issued = True
+            raise self._no_room(nbytes, name)
+        if target is torch.bfloat16:
+            host: Any = self._mem.host_raw[start : start + nbytes].view(torch.bfloat16)
         else:
-            if target is torch.bfloat16:
-                host: Any = self._mem.host_raw[start : start + nbytes].view(torch.bfloat16)
-            else:
-                first = start // _ITEMSIZE[target]
-                host = self._mem.host[target][first : first + numel]
-            write(host, src, target, name)
-            device = self._advance(start, target, numel, nbytes)
+            first = start // _ITEMSIZE[target]
+            host = self._mem.host[target][first : first + numel]
+        write(host, src, target, name)
+        device = self._advance(start, target, numel, nbytes)
         return device if len(shape) == 1 else device.view(shape)
 
     def reserve(
         self, numel: int, dtype: torch.dtype, *, name: str = "values"
     ) -> tuple[np.ndarray[Any, Any], torch.Tensor]:
-        """Claim ``numel`` elements: (numpy host view to fill before the copy, device view); never spills."""
+        """Claim ``numel`` elements: (numpy host view to fill before the copy, device view)."""
         if self.state is not OPEN:
             self._check_open()
         target = check_dtype(dtype, name)

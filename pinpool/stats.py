@@ -17,7 +17,6 @@ class Counters:
     stalls: int = 0
     stall_seconds: float = 0.0
     max_stall_seconds: float = 0.0
-    overflows: int = 0
     aborted_stages: int = 0
     owned_stages: int = 0
     host_allocations: int = 0

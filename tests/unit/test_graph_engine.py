@@ -212,7 +212,7 @@ def test_pool_mode_decode_step_is_one_block_copy_and_its_tokens_come_back_in_the
         assert after.readbacks - before.readbacks == (0 if land_tokens else 1)
         assert after.bytes_read_back - before.bytes_read_back == (0 if land_tokens else 8 * bs)
         assert claims == 1
-        assert after.overflows == before.overflows and after.aborted_stages == before.aborted_stages
+        assert after.host_allocations == before.host_allocations and after.aborted_stages == before.aborted_stages
     assert decodes > 20 and freeing > 2, (decodes, freeing)
 
 

@@ -10,7 +10,6 @@ import torch
 
 from pinpool import PoolSettings, SettingsError
 from pinpool.exceptions import SettingsTypeError, SettingsWarning
-from pinpool.settings import OverflowPolicy
 
 
 @pytest.mark.parametrize(
@@ -22,7 +21,6 @@ from pinpool.settings import OverflowPolicy
         ({"slot_bytes": 100}, "'slot_bytes' must be a multiple of 'alignment' (16) (got 100)"),
         ({"alignment": 24}, "'alignment' must be a power of two >= 1 (got 24)"),
         ({"alignment": 4}, "'alignment' must be >= 8"),
-        ({"overflow": "grow"}, "'overflow' must be one of raise, spill (got 'grow')"),
         ({"device": "gpu:0"}, "'device' must name a torch device"),
         ({"device": "meta"}, "'device' must be a cpu or cuda device (got 'meta')"),
         ({"debug": "yes"}, "'debug' must be True or False (got 'yes')"),
@@ -50,7 +48,7 @@ def test_from_env_reads_prefixed_variables_and_overrides_win() -> None:
         "PINPOOL_DEVICE": "cpu",
         "PINPOOL_NUM_SLOTS": "6",
         "PINPOOL_SLOT_BYTES": "0x1000",
-        "PINPOOL_OVERFLOW": "spill",
+        "PINPOOL_ALIGNMENT": "32",
         "PINPOOL_DEBUG": "on",
         "UNRELATED": "1",
     }
@@ -58,7 +56,7 @@ def test_from_env_reads_prefixed_variables_and_overrides_win() -> None:
     assert settings.device == torch.device("cpu")
     assert settings.num_slots == 3
     assert settings.slot_bytes == 4096
-    assert settings.overflow is OverflowPolicy.SPILL
+    assert settings.alignment == 32
     assert settings.debug is True
     assert PoolSettings.from_env({"PINPOOL_DEVICE": "cpu"}).debug is False
 
