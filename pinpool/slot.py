@@ -31,6 +31,7 @@ class SlotMemory:
         fences: tuple[Fence, Fence],
         last_user: Stream,
     ) -> None:
+        self.index = host_base // host_raw.numel()  # the slot's place in the ring
         self.host_raw, self.device_raw, self.host_bytes, self.host_base = host_raw, device_raw, host_bytes, host_base
         self.alias: torch.Tensor | None = None  # the pinned bytes' device address (UVA), once the platform check passed
         self.alignment, (self.fence, self.handoff), self.last_user = alignment, fences, last_user

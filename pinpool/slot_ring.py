@@ -115,11 +115,10 @@ class SlotRing:
         mem = self._slots[slot]
         if dst is None:
             dst = mem.alias if placement is IN_PLACE else mem.device_raw
-        st = Stage(self, mem, slot, self._generation, stream, placement, dst, block)  # type: ignore[arg-type]
-        self._open = st
+        st = self._open = Stage(self, mem, stream, placement, dst)  # type: ignore[arg-type]
         if layout is not None:
             try:
-                st.open_layout(layout, rows, live)  # type: ignore[arg-type]
+                st.open_layout(layout, rows, live, block)  # type: ignore[arg-type]
             except BaseException:
                 st.close(ok=False)
                 raise

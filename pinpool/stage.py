@@ -31,50 +31,26 @@ _ITEMSIZE = {d: d.itemsize for d in [*NUMPY_DTYPE, torch.bfloat16]}
 
 class Stage:
     """An open claim of one slot: ``put`` / ``reserve`` values (with a layout, ``put(field, rows)``), then one
-    copy (``flush`` or exit); ``views`` holds a layout's device views."""
+    copy (``flush`` or exit). With a layout: ``layout``, ``rows`` (padded), ``live`` (real) and ``views`` (name ->
+    device view of ``rows`` elements); without one, None, 0, 0 and an empty dict."""
 
     def __init__(
-        self,
-        ring: RingSide[Stage],
-        mem: SlotMemory,
-        slot: int,
-        generation: int,
-        stream: Stream,
-        placement: Placement,
-        dst: torch.Tensor,
-        block: BlockSide | None = None,
+        self, pool: RingSide[Stage], mem: SlotMemory, stream: Stream, placement: Placement, dst: torch.Tensor
     ) -> None:
-        self._ring, self._mem, self.slot, self.generation = ring, mem, slot, generation
+        self.pool, self._mem, self.slot, self.generation = pool, mem, mem.index, mem.generation
         self.stream = stream  # of the copy, the fence and the read-backs, fixed at open
-        self.placement = placement
+        self.placement, self.owned = placement, placement is OWNED
         self.dst = dst  # the device memory the views are carved from and the copy lands in
-        self._block = block
+        self._block: BlockSide | None = None
         self.tail = nbytes = mem.nbytes  # landed values are claimed from the slot's end down
         self.capacity = nbytes if placement is RING or placement is IN_PLACE else min(nbytes, dst.numel())
-        self._cursor = self.used_bytes = self._live = self._written = 0
+        self._cursor = self.used_bytes = self.rows = self.live = self._written = 0
         self.landing_bytes = self.copy_issued = self._padded = False
         self.state = OPEN
         self._landings: list[Landing] = []
         self._placed: Placed | None = None  # with a layout, set by ``open_layout``
-
-    @property
-    def layout(self) -> Layout | None:
-        return self._placed.layout if self._placed is not None else None
-
-    @property
-    def rows(self) -> int:
-        """With a layout: the padded row count (0 without one)."""
-        return self._placed.rows if self._placed is not None else 0
-
-    @property
-    def live(self) -> int:
-        """With a layout: how many of the rows are real (0 without one)."""
-        return self._live
-
-    @property
-    def views(self) -> dict[str, torch.Tensor]:
-        """With a layout: name -> each field's device view of ``rows`` elements (empty without one)."""
-        return self._placed.views if self._placed is not None else {}
+        self.layout: Layout | None = None
+        self.views: dict[str, torch.Tensor] = {}
 
     def __enter__(self) -> Stage:
         return self
@@ -88,17 +64,17 @@ class Stage:
             self._check_open()  # raises
         placed = self._placed
         if placed is not None:
-            if self._live and self._written != placed.all_written:
+            if self.live and self._written != placed.all_written:
                 error = placed.unwritten(self._written)
                 self.close(ok=False)
                 raise error
-            if self._live < placed.rows and not self._padded:
-                placed.pad(self._live)
+            if self.live < placed.rows and not self._padded:
+                placed.pad(self.live)
                 self._padded = True
         if self._block is not None:
             self._block.before_copy(self.stream)
         if self.placement is not IN_PLACE:
-            self._ring._issue_copy(self)
+            self.pool._issue_copy(self)
         self.state = FLUSHED
         if self._block is not None:
             self._block.after_copy(self.stream)
@@ -108,7 +84,7 @@ class Stage:
         if self.state is CLOSED or self.state is ABORTED:
             return
         if ok and self.state is OPEN:
-            if self._landings and self.placement is not IN_PLACE and self._live:
+            if self._landings and self.placement is not IN_PLACE and self.live:
                 # The copy would carry live addresses that a kernel launched after close
                 # could still store through, past the slot's fence: abort instead.
                 self.close(ok=False)
@@ -125,7 +101,7 @@ class Stage:
             # The writer is the graph replay, maybe on a registered reader: the fence follows it.
             self._block.wait_for_readers(self.stream)
         self.state = CLOSED if ok else ABORTED
-        self._ring._finish(self, ok)
+        self.pool._finish(self, ok)
         if ok:
             for handle in self._landings:
                 handle.armed = True
@@ -138,15 +114,6 @@ class Stage:
     @property
     def flushed(self) -> bool:
         return self.state is not OPEN
-
-    @property
-    def owned(self) -> bool:
-        return self.placement is OWNED
-
-    @property
-    def pool(self) -> RingSide[Stage]:
-        """The pool this stage belongs to (a library building into a caller's stage checks it)."""
-        return self._ring
 
     @property
     def is_live(self) -> bool:
@@ -178,7 +145,7 @@ class Stage:
         if self.state is not OPEN:
             self._check_open()
         if type(values) is str:  # a layout field's live rows: put("rows", [...])
-            placed, rows, live = self._placed, dtype, self._live
+            placed, rows, live = self._placed, dtype, self.live
             if placed is None:
                 raise _no_layout(values)
             spec = placed.fields.get(values)  # (index, first byte in the slab, dtype)
@@ -246,7 +213,7 @@ class Stage:
         if not self.is_open:
             self._check_open()
         offset = align_up(self._cursor, self._mem.alignment)
-        views = self._mem.readback_views(src, offset, self._ring.device)  # typed errors first
+        views = self._mem.readback_views(src, offset, self.pool.device)  # typed errors first
         nbytes = views[2]
         if offset + nbytes > self.tail:
             raise CapacityError(
@@ -257,7 +224,7 @@ class Stage:
             self.flush()
         if self._block is not None:
             self._block.wait_for_readers(self.stream)  # ``src`` is written by the replay, maybe on a reader
-        handle = self._ring._copy_back(self.slot, self.generation, self.stream, src, views)
+        handle = self.pool._copy_back(self.slot, self.generation, self.stream, src, views)
         self._cursor = offset + nbytes
         self.copy_issued = True
         return handle
@@ -268,22 +235,23 @@ class Stage:
             self._check_open()
         self._mem.retained.extend(objs)
 
-    def open_layout(self, layout: Layout, rows: int, live: int) -> None:
-        """Claim ``layout`` for ``rows`` rows, ``live`` of them real, and its landings (the ring checked the counts)."""
+    def open_layout(self, layout: Layout, rows: int, live: int, block: BlockSide | None) -> None:
+        """Claim ``layout`` at ``rows`` rows, ``live`` of them real, and its landings, in ``block`` if any."""
         mem, keep = self._mem, self.placement is not OWNED  # an owned buffer may differ next time
         key = ("layout", id(layout), id(self.dst), rows)  # ids: the entry holds both, so neither is reused
         placed: Placed | None = mem.views.get(key) if keep else None
         if placed is None:
-            views = self._block.views(rows) if self._block is not None else None
+            views = block.views(rows) if block is not None else None
             placed = Placed(layout, rows, mem, self.dst, views, self.capacity)
             if keep:
                 mem.views.put(key, placed)
-        self._placed, self._live = placed, live
+        self._placed, self._block, self.layout, self.rows, self.live = placed, block, layout, rows, live
+        self.views = placed.views
         self.used_bytes, self._cursor = placed.nbytes, placed.cursor
         if placed.landed:
             self.tail, self.landing_bytes = placed.tail, True
             for _, _, values in placed.landed:
-                self._landings.append(Landing(self._ring, self.slot, self.generation, mem.fence, values[:live], False))
+                self._landings.append(Landing(self.pool, self.slot, self.generation, mem.fence, values[:live], False))
             n = live * 8  # each landing's live addresses; padding rows hold 0 (their pad): they store nothing
             for at, column, _ in placed.landed:
                 mem.host_bytes[at : at + n] = column[:n]
@@ -299,7 +267,7 @@ class Stage:
             raise _no_layout(name)
         i = self._placed.input_field(name)
         self._written |= 1 << i
-        return self._placed.host_views[i][: self._live]
+        return self._placed.host_views[i][: self.live]
 
     def put_image(self, image: HostImage) -> None:
         """Every field from a prebuilt host image (padding included): one memcpy."""
@@ -307,7 +275,7 @@ class Stage:
             self._check_open()
         if self._placed is None:
             raise StagingValueError(f"'image' needs a stage with a layout (got {image!r})")
-        self._placed.put_image(image, self._live, self._mem)
+        self._placed.put_image(image, self.live, self._mem)
         self._written, self._padded = self._placed.layout.all_written, True
 
     def landing(self, name: str) -> Landing:
