@@ -8,9 +8,8 @@ import torch
 
 from pinpool.exceptions import SettingsError
 from pinpool.layout import HostImage, Layout
-from pinpool.placement import BLOCK
 from pinpool.ring import PinnedRingBuffer
-from pinpool.stage import Stage
+from pinpool.stage import BLOCK, Stage
 from pinpool.transport import Fence, Stream, wait_for_streams
 
 

@@ -8,13 +8,12 @@ import numpy as np
 
 from pinpool.exceptions import PoolStateError, StaleLeaseError
 from pinpool.layout import VIEW_LIFETIME
+from pinpool.slot import SlotMemory
 from pinpool.transport import Fence
 
 
 class SlotReads(Protocol):
     """What a read-back handle asks of its ring (so that this module never imports the ring)."""
-
-    def slot_generation(self, slot: int) -> int: ...
 
     def wait_for_readback(self, fence: Fence) -> None: ...
 
@@ -22,12 +21,11 @@ class SlotReads(Protocol):
 class Readback:
     """A pending device-to-host copy into one ring slot (``pool.readback(t)``, docs/rules.md rule 6)."""
 
-    __slots__ = ("_fence", "_host", "_landed_seen", "_pool", "armed", "generation", "slot")
+    __slots__ = ("_fence", "_host", "_landed_seen", "_mem", "_pool", "armed", "generation", "slot")
 
-    def __init__(
-        self, pool: SlotReads, slot: int, generation: int, fence: Fence, host: np.ndarray[Any, Any], armed: bool = True
-    ) -> None:
-        self._pool, self.slot, self.generation, self._fence, self._host = pool, slot, generation, fence, host
+    def __init__(self, pool: SlotReads, mem: SlotMemory, host: np.ndarray[Any, Any], armed: bool = True) -> None:
+        self._pool, self._mem, self.slot, self.generation, self._fence = pool, mem, mem.index, mem.generation, mem.fence
+        self._host = host
         self._landed_seen = False  # a fence once passed stays passed (until the slot is recycled)
         #: Whether the fence covers the values: always for a copy; a ``Landing`` once its stage closed.
         self.armed = armed
@@ -58,7 +56,7 @@ class Readback:
                 f"landing of stage {self.generation} (slot {self.slot}) was read before its stage closed, or its "
                 "stage was aborted: the slot's fence follows the writing kernel only after a successful close"
             )
-        if self._pool.slot_generation(self.slot) != self.generation:
+        if self._mem.generation != self.generation:
             raise StaleLeaseError(
                 f"{type(self).__name__.lower()} of generation {self.generation} (slot {self.slot}) was read after "
                 f"the slot was recycled; read it within {VIEW_LIFETIME}"
@@ -70,7 +68,7 @@ class Readback:
 
 
 class Landing(Readback):
-    """Values a kernel stores straight into a stage's slot (``Field.landing``, ``Stage.land``): made unarmed,
+    """Values a kernel stores straight into a stage's slot (a ``Field.landing``): made unarmed,
     armed by the stage's successful close; read before that, or after an abort, it raises ``PoolStateError``."""
 
     __slots__ = ()

@@ -8,11 +8,10 @@ import torch
 from pinpool.exceptions import CAPTURE_REFUSAL, PoolStateError
 from pinpool.layout import Layout
 from pinpool.log import get_logger
-from pinpool.placement import IN_PLACE, OWNED, RING
 from pinpool.readback import Readback
 from pinpool.settings import PoolSettings
 from pinpool.slot_ring import SlotRing
-from pinpool.stage import Stage
+from pinpool.stage import IN_PLACE, OWNED, RING, Stage
 from pinpool.stats import PoolStats
 from pinpool.transport import Stream, Transport
 
@@ -91,7 +90,7 @@ class PinnedRingBuffer(SlotRing):
         mem = self._slots[self._next_slot]
         views = mem.readback_views(src, 0, self.device)  # refused before anything is claimed
         slot = self._claim(stream, RING, writes_mirror=False)
-        handle = self._copy_back(slot, self._generation, stream, src, views)
+        handle = self._copy_back(slot, stream, src, views)
         self._next_slot = (slot + 1) % self._num_slots
         return handle
 

@@ -27,11 +27,10 @@ from pinpool.exceptions import (
 )
 from pinpool.layout import Layout, align_up
 from pinpool.log import get_logger
-from pinpool.placement import IN_PLACE, OWNED, RING, BlockSide, Placement
 from pinpool.readback import Readback
 from pinpool.settings import PoolSettings
 from pinpool.slot import allocate_slots
-from pinpool.stage import Stage
+from pinpool.stage import IN_PLACE, OWNED, RING, BlockSide, Placement, Stage
 from pinpool.stats import Counters
 from pinpool.transport import Fence, Stream, Transport, drain, wait_for_streams
 
@@ -70,10 +69,6 @@ class SlotRing:
     @property
     def device(self) -> torch.device:
         return self.settings.device
-
-    def slot_generation(self, slot: int) -> int:
-        """The generation of the claim that holds ``slot`` now (a lease is live while it matches)."""
-        return self._slots[slot].generation
 
     def wait_for_readback(self, fence: Fence) -> None:
         """The host wait of a read whose copy or writer has not finished: counted and timed."""
@@ -171,17 +166,15 @@ class SlotRing:
             self._teardown_streams.append(stream)
 
     def _copy_back(
-        self, slot: int, generation: int, stream: Stream, src: torch.Tensor, views: tuple[torch.Tensor, Any, int]
+        self, slot: int, stream: Stream, src: torch.Tensor, views: tuple[torch.Tensor, Any, int]
     ) -> Readback:
         """A read-back (the pool's or a stage's): one device-to-pinned copy on ``stream``, then the slot's fence."""
         host_t, host_np, nbytes = views
-        fence = self._slots[slot].fence
         self._transport.copy(host_t, src, stream)
-        fence.record(stream)
-        counters = self._counters
-        counters.readbacks += 1
-        counters.bytes_read_back += nbytes
-        return Readback(self, slot, generation, fence, host_np)
+        self._slots[slot].fence.record(stream)
+        self._counters.readbacks += 1
+        self._counters.bytes_read_back += nbytes
+        return Readback(self, self._slots[slot], host_np)
 
     # -- internals ---------------------------------------------------------------------
     def _claim(self, stream: Stream, placement: Placement, *, writes_mirror: bool) -> int:

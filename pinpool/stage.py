@@ -1,11 +1,14 @@
 """``Stage``: one claim of one ring slot, ``OPEN`` (puts) -> ``FLUSHED`` (copy issued) -> ``CLOSED`` (fence
-recorded) or ``ABORTED``, whatever its placement (placement.py)."""
+recorded) or ``ABORTED``, whatever its ``Placement``: the slot's device mirror (``RING``), device memory the caller
+owns (``OWNED``), a ``DeviceBlock`` a CUDA graph captures (``BLOCK``), or the pinned slot itself (``IN_PLACE``)."""
 
 from __future__ import annotations
 
+import enum
 import math
 import struct
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -21,12 +24,51 @@ from pinpool.exceptions import (
 )
 from pinpool.layout import VIEW_LIFETIME, HostImage, Layout, align_up
 from pinpool.placed import Placed
-from pinpool.placement import ABORTED, CLOSED, FLUSHED, IN_PLACE, OPEN, OWNED, RING, BlockSide, Placement, RingSide
-from pinpool.readback import Landing, Readback
+from pinpool.readback import Landing, Readback, SlotReads
 from pinpool.slot import SlotMemory, typed_view
 from pinpool.transport import Stream
 
 _ITEMSIZE = {d: d.itemsize for d in [*NUMPY_DTYPE, torch.bfloat16]}
+
+
+class Placement(enum.Enum):
+    RING = "ring"
+    OWNED = "owned"
+    BLOCK = "block"
+    IN_PLACE = "in place"
+
+
+class State(enum.Enum):
+    OPEN = "open"
+    FLUSHED = "flushed"
+    CLOSED = "closed"
+    ABORTED = "aborted"
+
+
+OPEN, FLUSHED, CLOSED, ABORTED = State.OPEN, State.FLUSHED, State.CLOSED, State.ABORTED
+RING, OWNED, BLOCK, IN_PLACE = Placement.RING, Placement.OWNED, Placement.BLOCK, Placement.IN_PLACE
+
+
+class BlockSide(Protocol):
+    """What a ``BLOCK`` stage asks of its ``DeviceBlock`` around the copy."""
+
+    def before_copy(self, stream: Stream) -> None: ...
+    def after_copy(self, stream: Stream) -> None: ...
+    def wait_for_readers(self, stream: Stream) -> None: ...
+    def views(self, rows: int) -> Mapping[str, torch.Tensor]: ...
+
+
+class RingSide(SlotReads, Protocol):
+    """What a stage asks of its ring (``SlotRing``, the package's side of ``PinnedRingBuffer``)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def _issue_copy(self, st: Stage) -> None: ...
+    def _finish(self, st: Stage, ok: bool) -> None: ...
+    def _copy_back(
+        self, slot: int, stream: Stream, src: torch.Tensor, views: tuple[torch.Tensor, Any, int]
+    ) -> Readback: ...
 
 
 class Stage:
@@ -35,7 +77,7 @@ class Stage:
     device view of ``rows`` elements); without one, None, 0, 0 and an empty dict."""
 
     def __init__(
-        self, pool: RingSide[Stage], mem: SlotMemory, stream: Stream, placement: Placement, dst: torch.Tensor
+        self, pool: RingSide, mem: SlotMemory, stream: Stream, placement: Placement, dst: torch.Tensor
     ) -> None:
         self.pool, self._mem, self.slot, self.generation = pool, mem, mem.index, mem.generation
         self.stream = stream  # of the copy, the fence and the read-backs, fixed at open
@@ -224,7 +266,7 @@ class Stage:
             self.flush()
         if self._block is not None:
             self._block.wait_for_readers(self.stream)  # ``src`` is written by the replay, maybe on a reader
-        handle = self.pool._copy_back(self.slot, self.generation, self.stream, src, views)
+        handle = self.pool._copy_back(self.slot, self.stream, src, views)
         self._cursor = offset + nbytes
         self.copy_issued = True
         return handle
@@ -251,7 +293,7 @@ class Stage:
         if placed.landed:
             self.tail, self.landing_bytes = placed.tail, True
             for _, _, values in placed.landed:
-                self._landings.append(Landing(self.pool, self.slot, self.generation, mem.fence, values[:live], False))
+                self._landings.append(Landing(self.pool, mem, values[:live], False))
             n = live * 8  # each landing's live addresses; padding rows hold 0 (their pad): they store nothing
             for at, column, _ in placed.landed:
                 mem.host_bytes[at : at + n] = column[:n]

@@ -24,8 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 from pinpool import Field, Layout, PinnedRingBuffer, PoolSettings
 from pinpool.cuda import CudaTransport
 from pinpool.exceptions import PlatformError, UnguardedReaderError
-from pinpool.placement import Placement
 from pinpool.platform import device_alias
+from pinpool.stage import Placement
 
 LAG = 2_000_000  # about 1 ms of GPU sleep per lagging step: the host runs far ahead
 STEPS = 200

@@ -41,8 +41,8 @@ from pinpool import (
 )
 from pinpool.landing import land, land_reference
 from pinpool.layout import LANDING_TAG
-from pinpool.placement import State
 from pinpool.readback import Landing
+from pinpool.stage import State
 from pinpool.testing import LaggingGpu, SimStream
 from tests.fakes import NoFenceAfterReaders, landing_stage
 

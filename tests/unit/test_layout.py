@@ -48,8 +48,8 @@ from pinpool import (
 )
 from pinpool.landing import land_reference
 from pinpool.layout import FIELD_ALIGN
-from pinpool.placement import Placement, State
 from pinpool.readback import Landing
+from pinpool.stage import Placement, State
 from pinpool.testing import LaggingGpu, SimFence, SimStream
 from pinpool.transport import Stream
 

@@ -28,8 +28,7 @@ from hypothesis import strategies as st
 from pinpool import DeviceMismatchError, Field, Layout, PinnedRingBuffer, PoolSettings
 from pinpool import cuda as transport_module
 from pinpool.cuda import CudaTransport
-from pinpool.placement import Placement
-from pinpool.stage import Stage
+from pinpool.stage import Placement, Stage
 from pinpool.testing import LaggingGpu, SimStream
 from pinpool.transport import Stream
 

@@ -24,9 +24,8 @@ from hypothesis import strategies as st
 
 from pinpool import Field, Layout, PinnedRingBuffer, PoolSettings, PoolStateError, StaleLeaseError
 from pinpool.exceptions import PlatformError, UnguardedReaderError
-from pinpool.placement import Placement
 from pinpool.platform import PlatformReport
-from pinpool.stage import Stage
+from pinpool.stage import Placement, Stage
 from pinpool.testing import LaggingGpu, SimStream
 from pinpool.transport import Stream
 from tests.unit.test_ring_streams import Read, fire_due, readback_step, stage_step
