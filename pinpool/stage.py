@@ -59,7 +59,7 @@ class BlockSide(Protocol):
 
 
 class RingSide(SlotReads, Protocol):
-    """What a stage asks of its ring (``SlotRing``, the package's side of ``PinnedRingBuffer``)."""
+    """What a stage asks of its ring (its ``PinnedRingBuffer``)."""
 
     @property
     def device(self) -> torch.device: ...
