@@ -26,17 +26,9 @@ def align_up(nbytes: int, align: int) -> int:
     return (nbytes + align - 1) // align * align
 
 
-def landing_itemsize(dtype: Any) -> int:
-    """The size of one landed ``dtype`` value; ``StagingTypeError`` for a dtype no landing carries."""
-    itemsize = LANDING_ITEMSIZE.get(dtype)
-    if itemsize is None:
-        raise StagingTypeError(f"'dtype' of a landing must be one of {list(map(str, LANDING_ITEMSIZE))} (got {dtype})")
-    return itemsize
-
-
 def landing_column(numel: int, dtype: torch.dtype) -> np.ndarray[Any, Any]:
     """int64 [numel]: each landed value's byte offset from the landing's start, plus its dtype tag."""
-    return np.arange(numel, dtype=np.int64) * landing_itemsize(dtype) + LANDING_TAG[dtype]
+    return np.arange(numel, dtype=np.int64) * LANDING_ITEMSIZE[dtype] + LANDING_TAG[dtype]
 
 
 def _check_dtype(instance: Any, attribute: Any, value: Any) -> None:
@@ -75,15 +67,6 @@ class Field:
         return cls(name, torch.int64, 0, dtype)
 
 
-@attrs.frozen
-class Plan:
-    """Where a layout's fields sit for ``rows`` padded rows: byte offsets and the bytes one step copies."""
-
-    rows: int
-    offsets: tuple[int, ...]
-    nbytes: int
-
-
 class Layout:
     """Fields declared once, for batches of up to ``max_rows`` rows."""
 
@@ -115,18 +98,18 @@ class Layout:
         if not int_in_range(live, 0, rows):
             raise StagingValueError(f"'live' must be an int in [0, rows={rows}] (got {live!r})")
 
-    def plan(self, rows: int) -> Plan:
-        """Where every field sits for ``rows`` padded rows; not cached (a slot's ``Placed`` keeps it)."""
+    def offsets(self, rows: int) -> list[int]:
+        """Each field's first byte for ``rows`` padded rows (field-major); not cached: a slot's ``Placed`` keeps it."""
         self.check_rows(rows)
         offsets, cursor = [], 0
         for size in self.itemsizes:
             offsets.append(cursor)
             cursor = align_up(cursor + rows * size, FIELD_ALIGN)
-        return Plan(rows, tuple(offsets), offsets[-1] + rows * self.itemsizes[-1])
+        return offsets
 
     def nbytes(self, rows: int) -> int:
         """Bytes one step copies for ``rows`` padded rows."""
-        return self.plan(rows).nbytes
+        return self.offsets(rows)[-1] + rows * self.itemsizes[-1]
 
     def field(self, name: str) -> int:
         """The index of field ``name``; a typed error naming the declared ones otherwise."""
@@ -135,17 +118,15 @@ class Layout:
             raise StagingValueError(f"'name' must be a declared field, one of {list(self.index)} (got {name!r})")
         return index
 
-    def _spans(self, rows: int, plan: Plan | None) -> zip[tuple[Field, int, int]]:
-        plan = self.plan(rows) if plan is None else plan
-        return zip(self.fields, plan.offsets, self.itemsizes, strict=True)
-
-    def host_views(self, raw: np.ndarray[Any, Any], rows: int, plan: Plan | None = None) -> list[np.ndarray[Any, Any]]:
+    def host_views(self, raw: np.ndarray[Any, Any], rows: int) -> list[np.ndarray[Any, Any]]:
         """Each field's ``rows`` elements as a typed numpy view of ``raw`` (uint8, the layout's bytes)."""
-        return [raw[off : off + rows * size].view(NUMPY_DTYPE[f.dtype]) for f, off, size in self._spans(rows, plan)]
+        spans = zip(self.fields, self.offsets(rows), self.itemsizes, strict=True)
+        return [raw[off : off + rows * size].view(NUMPY_DTYPE[f.dtype]) for f, off, size in spans]
 
-    def device_views(self, raw: torch.Tensor, rows: int, plan: Plan | None = None) -> dict[str, torch.Tensor]:
+    def device_views(self, raw: torch.Tensor, rows: int) -> dict[str, torch.Tensor]:
         """name -> each field's ``rows`` elements as a typed view of ``raw`` (uint8 device memory)."""
-        return {f.name: raw[off : off + rows * size].view(f.dtype) for f, off, size in self._spans(rows, plan)}
+        spans = zip(self.fields, self.offsets(rows), self.itemsizes, strict=True)
+        return {f.name: raw[off : off + rows * size].view(f.dtype) for f, off, size in spans}
 
     def host_image(self, rows: int, live: int) -> HostImage:
         """A plain host copy of the layout for (``rows``, ``live``), padding already written."""

@@ -46,16 +46,16 @@ class Placed:
     ) -> None:
         self.layout, self.rows, self.dst = layout, rows, dst  # held, so the ids in the slot's key stay theirs
         self.all_written = layout.all_written
-        plan = layout.plan(rows)
-        if plan.nbytes > capacity:
+        self.nbytes = nbytes = layout.nbytes(rows)
+        if nbytes > capacity:
             raise CapacityError(
-                f"a layout of {rows} rows needs {plan.nbytes} bytes but the stage has {capacity}; "
+                f"a layout of {rows} rows needs {nbytes} bytes but the stage has {capacity}; "
                 "raise PoolSettings.slot_bytes or lower max_rows"
             )
-        self.nbytes, self.cursor = plan.nbytes, align_up(plan.nbytes, mem.alignment)
-        self.host_views = layout.host_views(mem.host[torch.uint8], rows, plan)
-        self.views = dict(views) if views is not None else layout.device_views(dst, rows, plan)
-        at = [mem.host_base + off for off in plan.offsets]
+        self.cursor = align_up(nbytes, mem.alignment)
+        self.host_views = layout.host_views(mem.host[torch.uint8], rows)
+        self.views = dict(views) if views is not None else layout.device_views(dst, rows)
+        at = [mem.host_base + off for off in layout.offsets(rows)]
         #: name -> (index, first byte in the slab, dtype), input fields only.
         self.fields = {f.name: (i, at[i], f.dtype) for i, f in enumerate(layout.fields) if f.lands is None}
         #: Per landing field, for every row: (its first byte in the slab, its address column, the values' host view).

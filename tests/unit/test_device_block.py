@@ -135,7 +135,7 @@ def test_offsets_are_aligned_and_fields_do_not_overlap() -> None:
     _, block = cpu_block()
     itemsizes = [torch.empty((), dtype=f.dtype).element_size() for f in FIELDS]
     for rows in range(1, MAX_ROWS + 1):
-        offsets = block.layout.plan(rows).offsets
+        offsets = block.layout.offsets(rows)
         assert len(offsets) == len(FIELDS) and offsets[0] == 0
         assert all(off % FIELD_ALIGN == 0 for off in offsets), offsets
         ends = [off + rows * size for off, size in zip(offsets, itemsizes, strict=True)]
@@ -157,7 +157,7 @@ def test_views_are_the_same_tensors_every_call_and_live_in_one_allocation() -> N
         first = block.views(rows)
         again = block.views(rows)
         assert list(first) == [f.name for f in FIELDS]
-        for f, off in zip(FIELDS, block.layout.plan(rows).offsets, strict=True):
+        for f, off in zip(FIELDS, block.layout.offsets(rows), strict=True):
             view = first[f.name]
             assert again[f.name] is view
             assert view.data_ptr() == again[f.name].data_ptr() == base + off

@@ -89,26 +89,25 @@ def test_a_plan_puts_every_field_field_major_aligned_and_nbytes_ends_at_the_last
     max_rows = rng.randint(1, 300)
     layout = Layout(fields, max_rows)
     asked = [rng.randint(0, max_rows) for _ in range(10)]
-    plans = {rows: layout.plan(rows) for rows in asked}
+    plans = {rows: layout.offsets(rows) for rows in asked}
     fresh = Layout(fields, max_rows)  # the same declaration, its row counts asked in another order
     for rows in reversed(asked):
-        plan = fresh.plan(rows)
-        assert plan == plans[rows] and plan.rows == rows
-        assert layout.nbytes(rows) == plan.nbytes
-        ends = [off + rows * d.itemsize for off, d in zip(plan.offsets, dtypes, strict=True)]
-        assert plan.offsets[0] == 0
-        assert all(off % FIELD_ALIGN == 0 for off in plan.offsets), plan
-        assert all(nxt >= end for end, nxt in zip(ends, plan.offsets[1:], strict=False)), plan
-        assert all(nxt - end < FIELD_ALIGN for end, nxt in zip(ends, plan.offsets[1:], strict=False)), plan
-        assert plan.nbytes == ends[-1]
+        offsets = fresh.offsets(rows)
+        assert offsets == plans[rows]
+        ends = [off + rows * d.itemsize for off, d in zip(offsets, dtypes, strict=True)]
+        assert offsets[0] == 0
+        assert all(off % FIELD_ALIGN == 0 for off in offsets), offsets
+        assert all(nxt >= end for end, nxt in zip(ends, offsets[1:], strict=False)), offsets
+        assert all(nxt - end < FIELD_ALIGN for end, nxt in zip(ends, offsets[1:], strict=False)), offsets
+        assert layout.nbytes(rows) == fresh.nbytes(rows) == ends[-1]
 
 
 def test_a_plan_of_a_small_layout_by_hand() -> None:
     """Catches the arithmetic itself drifting (field-major, each field rounded up to 16 bytes)."""
     layout = Layout([Field("a", torch.int64), Field("b", torch.int32), Field("c", torch.int8)], 8)
-    assert layout.plan(5).offsets == (0, 48, 80) and layout.plan(5).nbytes == 85
-    assert layout.plan(8).offsets == (0, 64, 96) and layout.nbytes(8) == 104
-    assert layout.plan(0).offsets == (0, 0, 0) and layout.nbytes(0) == 0
+    assert layout.offsets(5) == [0, 48, 80] and layout.nbytes(5) == 85
+    assert layout.offsets(8) == [0, 64, 96] and layout.nbytes(8) == 104
+    assert layout.offsets(0) == [0, 0, 0] and layout.nbytes(0) == 0
 
 
 BAD_DECLARATIONS: list[Any] = [
@@ -161,7 +160,7 @@ def test_a_bad_row_count_is_a_staging_value_error_and_claims_nothing(rows: Any) 
     """Catches a row count past max_rows (the layout would overrun its slot or block), a bool or float
     taken as a count, or a refused open that still claimed (and so aged every live view by one claim)."""
     with pytest.raises(StagingValueError, match=r"'rows' must be an int in \[0, max_rows=8\]"):
-        STEP.plan(rows)
+        STEP.offsets(rows)
     pool = cpu_pool()
     if rows is None:  # no row count at all: the stage cannot know its layout's size
         with pytest.raises(PoolStateError, match="needs 'rows'"):
