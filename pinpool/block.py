@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from pinpool.exceptions import SettingsError
-from pinpool.layout import HostImage, Layout
+from pinpool.layout import Layout
 from pinpool.ring import PinnedRingBuffer
 from pinpool.stage import BLOCK, Stage
 from pinpool.transport import Fence, Stream, wait_for_streams
@@ -43,10 +43,6 @@ class DeviceBlock:
         if views is None:
             views = self._views[rows] = self.layout.device_views(self.device_block, rows)
         return views
-
-    def host_image(self, rows: int, live: int) -> HostImage:
-        """A plain host copy of the layout for (``rows``, ``live``), padding written: ``Stage.put_image`` takes it."""
-        return self.layout.host_image(rows, live)
 
     def stage(self, rows: int, live: int, *, stream: Stream | None = None) -> Stage:
         """Open this step's stage: ``live`` real rows of a graph sized ``rows``; the stream is fixed now."""

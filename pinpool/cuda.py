@@ -11,7 +11,7 @@ from pinpool.platform import PlatformReport, check_cuda
 from pinpool.transport import Fence, HostTransport, Stream, Transport, host_waits
 
 
-def _no_cuda(*args: Any) -> Any:
+def _no_cuda(*args: Any, **kwargs: Any) -> Any:
     raise DeviceMismatchError("this torch build has no CUDA: a CUDA pool cannot be used")
 
 
@@ -21,34 +21,28 @@ _event_base: Any = getattr(torch._C, "_CudaEventBase", None)
 _record = getattr(_event_base, "record", _no_cuda)
 _query = getattr(_event_base, "query", _no_cuda)
 _synchronize = getattr(_event_base, "synchronize", _no_cuda)
-_set_stream: Any = getattr(torch._C, "_cuda_setStream", None)  # also makes the stream's device current
-_get_device: Any = getattr(torch._C, "_cuda_getDevice", None)
-_set_device: Any = getattr(torch._C, "_cuda_setDevice", None)
-_is_capturing: Any = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)  # of the current device's stream
+_set_stream = getattr(torch._C, "_cuda_setStream", _no_cuda)  # also makes the stream's device current
+_get_device = getattr(torch._C, "_cuda_getDevice", _no_cuda)
+_set_device = getattr(torch._C, "_cuda_setDevice", _no_cuda)
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", _no_cuda)  # of the current device's stream
 
 
 class use_stream:
     """``with use_stream(s):`` makes CUDA stream ``s`` current on its device, then restores both; ``None``: no-op.
-    ``torch.cuda.stream`` at a fraction of its host cost (and that, where torch lacks the raw bindings)."""
+    ``torch.cuda.stream`` at a fraction of its host cost."""
 
-    __slots__ = ("_device", "_fallback", "_previous", "_stream")
+    __slots__ = ("_device", "_previous", "_stream")
 
     def __init__(self, stream: Stream) -> None:
         self._stream = stream
         self._previous: tuple[int, int, int] | None = None
-        self._fallback: Any = None
 
     def __enter__(self) -> None:
         stream = self._stream
-        if stream is None:
-            return
-        if _set_stream is None or _get_device is None or _set_device is None:
-            self._fallback = torch.cuda.stream(stream)
-            self._fallback.__enter__()
-            return
-        self._device = _get_device()
-        self._previous = _current_stream_of(stream.device_index)
-        _set_stream(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
+        if stream is not None:
+            self._device = _get_device()
+            self._previous = _current_stream_of(stream.device_index)
+            _set_stream(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
 
     def __exit__(self, *exc: object) -> None:
         previous, self._previous = self._previous, None
@@ -56,9 +50,6 @@ class use_stream:
             _set_stream(stream_id=previous[0], device_index=previous[1], device_type=previous[2])
             if self._device != previous[1]:
                 _set_device(self._device)
-        elif (fallback := self._fallback) is not None:
-            self._fallback = None
-            fallback.__exit__(*exc)
 
 
 class _CudaFence(torch.cuda.Event):
@@ -138,8 +129,6 @@ class CudaTransport:
     def capturing(self, stream: Stream) -> bool:
         """Whether the current device's current stream (a ``torch.cuda.graph`` body), the pool device's current
         stream or ``stream`` is capturing, each asked in turn; another thread's capture goes unseen."""
-        if _is_capturing is None or _set_device is None:
-            return False
         if _is_capturing():
             return True
         current_id, device, _ = _current_stream_of(-1)  # -1: the current device's, with its index
@@ -160,7 +149,7 @@ class CudaTransport:
     def resolve_for_stage(self, stream: Stream | None) -> tuple[Stream, bool]:
         """``resolve_stream`` and ``capturing`` at once: two C calls when no stream is passed and the pool's
         device is current, where one capture query covers all three streams ``capturing`` asks about."""
-        if stream is None and _is_capturing is not None:
+        if stream is None:
             stream_id, device, device_type = _current_stream_of(-1)
             if device == self.index:
                 return self._current_stream(stream_id, device, device_type), bool(_is_capturing())
@@ -184,11 +173,6 @@ class CudaTransport:
 
     def check_zero_copy(self, host_slab: torch.Tensor) -> tuple[PlatformReport, torch.Tensor | None]:
         return check_cuda(host_slab, self.device)
-
-
-def is_pin_memory_available(device: str | torch.device | None = None) -> bool:
-    """Whether host memory can be page-locked for copies to ``device`` (False on CPU and CUDA-less torch)."""
-    return torch.device("cuda" if device is None else device).type == "cuda" and torch.cuda.is_available()
 
 
 def transport_for(device: torch.device) -> Transport:

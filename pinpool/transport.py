@@ -37,9 +37,8 @@ class Transport(Protocol):
     # ``stream`` checked against the pool's device, or (None) the device's current stream now.
     def resolve_stream(self, stream: Stream | None) -> Stream: ...
     def same_stream(self, a: Stream, b: Stream) -> bool: ...
-    # True when ``stream``, the pool device's current stream or the current device's current stream is capturing.
-    def capturing(self, stream: Stream) -> bool: ...
-    def resolve_for_stage(self, stream: Stream | None) -> tuple[Stream, bool]: ...  # both of the above, cheaply
+    # ``resolve_stream``, and whether it, the pool device's or the current device's current stream is capturing.
+    def resolve_for_stage(self, stream: Stream | None) -> tuple[Stream, bool]: ...
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None: ...  # host to device, or back
     def stream_wait(self, waiter: Stream, fence: Fence) -> None: ...  # on the device: never a host wait
     def fill(self, dst_device: torch.Tensor, byte: int, stream: Stream) -> None: ...
@@ -124,9 +123,6 @@ class HostTransport:
 
     def same_stream(self, a: Stream, b: Stream) -> bool:
         return True
-
-    def capturing(self, stream: Stream) -> bool:
-        return False
 
     def resolve_for_stage(self, stream: Stream | None) -> tuple[Stream, bool]:
         return self.resolve_stream(stream), False

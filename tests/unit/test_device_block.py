@@ -790,7 +790,7 @@ def test_a_host_image_lands_every_field_and_its_padding_in_one_memcpy() -> None:
     rng = random.Random(3)
     for rows, live in [(8, 3), (8, 8), (4, 0), (MAX_ROWS, 1)]:
         values = values_for(rng, rows * 10 + live, live)
-        image = block.host_image(rows, live)
+        image = block.layout.host_image(rows, live)
         for name, arr in values.items():
             image.views[name][:] = arr
         copies = pool.stats().copies
@@ -805,7 +805,7 @@ def test_an_image_of_another_shape_or_block_is_refused_and_nothing_lands() -> No
     pool, block = cpu_block()
     other = DeviceBlock(pool, Layout(FIELDS, MAX_ROWS))
     before = one_step(block, 8, 5, seed=1)
-    for image in (block.host_image(8, 4), block.host_image(4, 4), other.host_image(8, 5)):
+    for image in (block.layout.host_image(8, 4), block.layout.host_image(4, 4), other.layout.host_image(8, 5)):
         copies = pool.stats().copies
         with pytest.raises(StagingValueError, match="'image'"), block.stage(8, 5) as st:
             st.put_image(image)

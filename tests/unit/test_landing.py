@@ -353,7 +353,7 @@ def test_writes_that_would_cancel_a_landing_are_refused_and_an_image_keeps_the_a
     """Catches put or host on a landing field, or a put_image that copies the image's zeros over the
     addresses: each would leave an armed handle that reads stale bytes while the writer stores nowhere."""
     _, block = cpu_block()
-    image = block.host_image(4, 2)
+    image = block.layout.host_image(4, 2)
     image.views["x"][:] = [7, 8]
     with block.stage(4, 2) as st:
         for write in (lambda: st.put("dst", [0, 0]), lambda: st.host("dst")):
@@ -414,7 +414,7 @@ def test_an_image_of_another_size_is_refused_and_never_written_past_the_block() 
     """Catches put_image copying a resized HostImage.data past the layout (into the next slot) or
     leaving part of the layout stale; also an image of another layout or size."""
     pool, block = cpu_block(num_slots=2)
-    image = block.host_image(4, 2)
+    image = block.layout.host_image(4, 2)
     pool.host_slab.numpy()[:] = 0x5A  # what the refused images must leave as it is
     for data in (
         np.full(image.data.shape[0] + 64, 0xAB, np.uint8),
@@ -430,7 +430,7 @@ def test_an_image_of_another_size_is_refused_and_never_written_past_the_block() 
         assert (slab[slot * SLOT_BYTES + end : (slot + 1) * SLOT_BYTES] == 0x5A).all(), (
             f"written past slot {slot}'s layout"
         )
-    for other in (block.host_image(4, 3), Layout(LAYOUT.fields, MAX_ROWS).host_image(4, 2)):
+    for other in (block.layout.host_image(4, 3), Layout(LAYOUT.fields, MAX_ROWS).host_image(4, 2)):
         with pytest.raises(StagingValueError, match=r"'image' must be this stage's"), block.stage(4, 2) as st:
             st.put_image(other)
     assert pool.stats().copies == 0

@@ -91,7 +91,7 @@ class _HostBatch:
 
     def __init__(self, reqs: list[Request], block: DeviceBlock, rows: int) -> None:
         bs = len(reqs)
-        self.image = block.host_image(rows, bs)
+        self.image = block.layout.host_image(rows, bs)
         views = self.image.views
         views["rows"][:] = np.fromiter((r.row for r in reqs), np.int64, bs)
         views["positions"][:] = np.fromiter((r.seq_len for r in reqs), np.int64, bs)
