@@ -152,7 +152,10 @@ class CudaTransport:
         if stream is None:
             stream_id, device, device_type = _current_stream_of(-1)
             if device == self.index:
-                return self._current_stream(stream_id, device, device_type), bool(_is_capturing())
+                cached = self._current  # every eager step asks: the kept stream without a call
+                if cached is None or cached.stream_id != stream_id:
+                    cached = self._current_stream(stream_id, device, device_type)
+                return cached, bool(_is_capturing())
         resolved = self.resolve_stream(stream)
         return resolved, self.capturing(resolved)
 
