@@ -58,7 +58,7 @@ class Placed:
         at = [mem.host_base + off for off in layout.offsets(rows)]
         #: name -> (index, first byte in the slab, dtype), input fields only.
         self.fields = {f.name: (i, at[i], f.dtype) for i, f in enumerate(layout.fields) if f.lands is None}
-        #: Per landing field, for every row: (its first byte in the slab, its address column, the values' host view).
+        #: Per landing field, for every row: (its address field in the slot, the addresses, the values' host view).
         landed = []
         self.tail = mem.nbytes
         for i in layout.landings:
@@ -67,8 +67,8 @@ class Placed:
             self.tail = start = claim_tail(self.tail, self.cursor, rows * LANDING_ITEMSIZE[dtype], mem.alignment, name)
             column = (landing_column(rows, dtype) + (mem.address + start)).tobytes()
             values = mem.host[torch.uint8][start : start + rows * LANDING_ITEMSIZE[dtype]].view(NUMPY_DTYPE[dtype])
-            landed.append((at[i], memoryview(column), values))
-        self.landed: tuple[tuple[int, memoryview, np.ndarray[Any, Any]], ...] = tuple(landed)
+            landed.append((mem.host_bytes[at[i] : at[i] + len(column)], memoryview(column), values))
+        self.landed: tuple[tuple[memoryview, memoryview, np.ndarray[Any, Any]], ...] = tuple(landed)
         self.landing_of = {layout.fields[i].name: k for k, i in enumerate(layout.landings)}
 
     def input_field(self, name: str) -> int:
@@ -107,8 +107,8 @@ class Placed:
             )
         mem.host_bytes[mem.host_base : mem.host_base + data.nbytes] = data  # type: ignore[call-overload]
         n = live * 8  # the image holds no addresses: this step's go back over it
-        for at, column, _ in self.landed:
-            mem.host_bytes[at : at + n] = column[:n]
+        for addresses, column, _ in self.landed:
+            addresses[:n] = column[:n]
 
     def unwritten(self, written: int) -> PoolStateError:
         """The error for a step that left an input field unwritten: the slot still holds an older step's values."""

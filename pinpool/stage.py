@@ -7,7 +7,8 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,6 +30,7 @@ from pinpool.slot import SlotMemory, typed_view
 from pinpool.transport import Stream
 
 _ITEMSIZE = {d: d.itemsize for d in [*NUMPY_DTYPE, torch.bfloat16]}
+_NO_VIEWS: Mapping[str, torch.Tensor] = MappingProxyType({})  # a stage without a layout's ``views``
 
 
 class Placement(enum.Enum):
@@ -89,10 +91,10 @@ class Stage:
         self._cursor = self.used_bytes = self.rows = self.live = self._written = 0
         self.landing_bytes = self.copy_issued = self._padded = False
         self.state = OPEN
-        self._landings: list[Landing] = []
+        self._landings: Sequence[Landing] = ()
         self._placed: Placed | None = None  # with a layout, set by ``open_layout``
         self.layout: Layout | None = None
-        self.views: dict[str, torch.Tensor] = {}
+        self.views: Mapping[str, torch.Tensor] = _NO_VIEWS
 
     def __enter__(self) -> Stage:
         return self
@@ -292,11 +294,15 @@ class Stage:
         self.used_bytes, self._cursor = placed.nbytes, placed.cursor
         if placed.landed:
             self.tail, self.landing_bytes = placed.tail, True
-            for _, _, values in placed.landed:
-                self._landings.append(Landing(self.pool, mem, values[:live], False))
-            n = live * 8  # each landing's live addresses; padding rows hold 0 (their pad): they store nothing
-            for at, column, _ in placed.landed:
-                mem.host_bytes[at : at + n] = column[:n]
+            n, landings = live * 8, []  # each landing's live addresses; padding rows hold 0: they store nothing
+            for addresses, column, values in placed.landed:
+                if live == rows:  # an eager step pads nothing: whole views, no slicing (each slice costs, cold)
+                    addresses[:] = column
+                    landings.append(Landing(self.pool, mem, values, False))
+                else:
+                    addresses[:n] = column[:n]
+                    landings.append(Landing(self.pool, mem, values[:live], False))
+            self._landings = landings
         if self.placement is IN_PLACE and live < rows:
             placed.pad(live)  # read in place from the moment they are handed out
             self._padded = True
