@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pinpool.encode import NUMPY_DTYPE, as_source, write
+from pinpool.encode import NUMPY_DTYPE, as_source, packer_for, write
 from pinpool.exceptions import CapacityError, PoolStateError, StagingValueError
 from pinpool.layout import LANDING_ITEMSIZE, HostImage, Layout, align_up, landing_column
 
@@ -56,8 +56,12 @@ class Placed:
         self.host_views = layout.host_views(mem.host[torch.uint8], rows)
         self.views = dict(views) if views is not None else layout.device_views(dst, rows)
         at = [mem.host_base + off for off in layout.offsets(rows)]
-        #: name -> (index, first byte in the slab, dtype), input fields only.
-        self.fields = {f.name: (i, at[i], f.dtype) for i, f in enumerate(layout.fields) if f.lands is None}
+        #: name -> (index, first byte in the slab, dtype, the packer of ``rows`` values or None), input fields only.
+        self.fields = {
+            f.name: (i, at[i], f.dtype, packer_for(f.dtype, rows))
+            for i, f in enumerate(layout.fields)
+            if f.lands is None
+        }
         #: Per landing field, for every row: (its address field in the slot, the addresses, the values' host view).
         landed = []
         self.tail = mem.nbytes

@@ -192,10 +192,11 @@ class Stage:
             placed, rows, live = self._placed, dtype, self.live
             if placed is None:
                 raise _no_layout(values)
-            spec = placed.fields.get(values)  # (index, first byte in the slab, dtype)
+            spec = placed.fields.get(values)  # (index, first byte in the slab, dtype, the packer of every row)
             if spec is not None and type(rows) is list and len(rows) == live:
-                i, at, field_dtype = spec
-                packer = PACKERS.get((field_dtype, live)) or packer_for(field_dtype, live)
+                i, at, field_dtype, packer = spec
+                if live != placed.rows:  # padding rows: a packer of the live ones
+                    packer = PACKERS.get((field_dtype, live)) or packer_for(field_dtype, live)
                 try:  # packed aside: a refused put leaves the field's earlier values, as the general path does
                     packed = packer.pack(*rows) if packer is not None else None  # None: a dtype struct lacks
                 except (struct.error, TypeError, OverflowError):

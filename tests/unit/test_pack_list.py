@@ -115,13 +115,15 @@ def test_the_fast_paths_land_what_the_general_path_lands(dtype: torch.dtype) -> 
     assert first.numpy().tobytes() == values.tobytes()
 
 
+@pytest.mark.parametrize("rows", [7, 5], ids=["padded", "every-row-live"])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.float64, torch.int8])
 def test_a_layout_field_lands_the_same_from_its_packer_and_from_the_general_path(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Catches ``Stage.put``'s packer for a layout field's list drifting from the general path (a tuple, an
     array) on the same values, either writing the padding rows or another field's bytes, or the list not
-    taking the packer at all where struct has the dtype (int8 has none: the general path, as a control)."""
+    taking the packer at all where struct has the dtype (int8 has none: the general path, as a control).
+    Both packers: the live count's (padded) and the one the placed layout keeps for every row."""
     from pinpool import Field, Layout
     from pinpool.encode import packer_for
     from pinpool.placed import Placed
@@ -141,7 +143,7 @@ def test_a_layout_field_lands_the_same_from_its_packer_and_from_the_general_path
     p = pool()
     landed = []
     for form in (values.tolist(), tuple(values.tolist()), values):
-        with p.stage(layout, rows=7, live=5) as st:
+        with p.stage(layout, rows=rows, live=5) as st:
             st.put("before", np.ones(5, np.int8))
             st.put("x", form)
             st.put("after", [2] * 5)
@@ -149,8 +151,9 @@ def test_a_layout_field_lands_the_same_from_its_packer_and_from_the_general_path
     for other in landed[1:]:
         assert all(torch.equal(other[name], landed[0][name]) for name in landed[0])
     assert landed[0]["x"][:5].numpy().tobytes() == values.tobytes()
-    assert landed[0]["x"][5:].tolist() == [3, 3] and landed[0]["before"].tolist() == [1] * 5 + [-1, -1]
-    assert landed[0]["after"].tolist() == [2] * 5 + [0, 0]
+    pads = rows - 5
+    assert landed[0]["x"][5:].tolist() == [3] * pads and landed[0]["before"].tolist() == [1] * 5 + [-1] * pads
+    assert landed[0]["after"].tolist() == [2] * 5 + [0] * pads
     packed = packer_for(dtype, 5) is not None
     # The general path saw the arrays and the tuple, and the list only where struct lacks the dtype.
     assert calls.count("list") == (0 if packed else 1) and calls.count("tuple") == 1
