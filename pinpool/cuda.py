@@ -11,20 +11,25 @@ from pinpool.platform import PlatformReport, check_cuda
 from pinpool.transport import Fence, HostTransport, Stream, Transport, host_waits
 
 
-def _no_cuda(*args: Any, **kwargs: Any) -> Any:
-    raise DeviceMismatchError("this torch build has no CUDA: a CUDA pool cannot be used")
+def _binding(owner: Any, name: str) -> Any:
+    """``owner.name``, or a stand-in that raises, naming it, when this torch build lacks it (a CPU-only build)."""
+
+    def missing(*args: Any, **kwargs: Any) -> Any:
+        raise DeviceMismatchError(f"this torch build has no torch._C.{name}: a CUDA pool cannot be used")
+
+    return getattr(owner, name, missing)
 
 
 # Raw bindings for the hot path: one C call each, where the public wrappers add frames and device lookups.
-_current_stream_of = getattr(torch._C, "_cuda_getCurrentStream", _no_cuda)  # -> (stream_id, index, device_type)
+_current_stream_of = _binding(torch._C, "_cuda_getCurrentStream")  # -> (stream_id, index, device_type)
 _event_base: Any = getattr(torch._C, "_CudaEventBase", None)
-_record = getattr(_event_base, "record", _no_cuda)
-_query = getattr(_event_base, "query", _no_cuda)
-_synchronize = getattr(_event_base, "synchronize", _no_cuda)
-_set_stream = getattr(torch._C, "_cuda_setStream", _no_cuda)  # also makes the stream's device current
-_get_device = getattr(torch._C, "_cuda_getDevice", _no_cuda)
-_set_device = getattr(torch._C, "_cuda_setDevice", _no_cuda)
-_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", _no_cuda)  # of the current device's stream
+_record = _binding(_event_base, "record")
+_query = _binding(_event_base, "query")
+_synchronize = _binding(_event_base, "synchronize")
+_set_stream = _binding(torch._C, "_cuda_setStream")  # also makes the stream's device current
+_get_device = _binding(torch._C, "_cuda_getDevice")
+_set_device = _binding(torch._C, "_cuda_setDevice")
+_is_capturing = _binding(torch._C, "_cuda_isCurrentStreamCapturing")  # of the current device's stream
 
 
 class use_stream:

@@ -110,3 +110,14 @@ def test_every_pinpool_variable_the_repository_reads_passes_from_env_in_silence(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         PoolSettings.from_env({**dict.fromkeys(read - fields, "1"), "PINPOOL_DEVICE": "cpu", "PATH": "/bin"})
+
+
+def test_the_removed_overflow_setting_is_refused_as_a_keyword_and_ignored_in_the_environment() -> None:
+    """Catches the spill policy half-removed: ``overflow=`` still accepted (a pool that would silently raise
+    where its caller asked it to spill), or ``PINPOOL_OVERFLOW`` warning or failing at start-up."""
+    with pytest.raises(TypeError, match="overflow"):
+        PoolSettings(device="cpu", overflow="spill")  # type: ignore[call-arg]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        settings = PoolSettings.from_env({"PINPOOL_DEVICE": "cpu", "PINPOOL_OVERFLOW": "spill"})
+    assert not hasattr(settings, "overflow")

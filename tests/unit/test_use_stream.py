@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from pinpool import DeviceMismatchError
 from pinpool import cuda as transport
 
 
@@ -230,3 +231,11 @@ def test_resolve_for_stage_with_the_current_stream_passed_answers_for_it(
     monkeypatch.setattr(transport, "isinstance", lambda obj, cls: True, raising=False)
     assert cuda.resolve_for_stage(current) == (current, capturing)
     assert fake.state() == before
+
+
+def test_a_missing_raw_binding_is_named_when_called() -> None:
+    """Catches a torch build without one of the raw CUDA bindings failing with an error that names the wrong
+    cause (or none): the stand-in says which binding is missing, as a typed error."""
+    stand_in = transport._binding(object(), "_cuda_notThere")
+    with pytest.raises(DeviceMismatchError, match=r"torch\._C\._cuda_notThere"):
+        stand_in(stream_id=1)

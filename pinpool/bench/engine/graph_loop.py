@@ -85,7 +85,7 @@ class GraphConfig:
 class _HostBatch:
     """The running batch as the pool mode's scheduler holds it: the block's host image, built on change.
 
-    The image (``DeviceBlock.host_image``) holds every field of the layout, padding
+    The image (``block.layout.host_image``) holds every field of the layout, padding
     included; a step updates positions and KV slots in it and lands it with one memcpy.
     """
 
