@@ -5,7 +5,8 @@
 Each side runs in a process of its own (both trees are the package ``pinpool``), alternating,
 on a CPU pool with zero-copy on (so landings work without a GPU): two puts of ``bs`` int64
 (rows and positions), the copy, the views, with and without a landing field, then close.
-Prints the min over blocks of steps, µs per step, per round. A diagnostic, not a test.
+Prints the min over blocks of steps, µs per step, per round (``--calls``: the Python calls one warm
+step makes, counted with ``sys.setprofile``). A diagnostic, not a test.
 """
 
 from __future__ import annotations
@@ -53,12 +54,23 @@ def _step_fn(bs: int, land: bool) -> object:
     return new_step
 
 
-def _child(tree: str, bs: int, land: bool) -> None:
+def _child(tree: str, bs: int, land: bool, calls: bool = False) -> None:
     sys.path.insert(0, tree)
     step = _step_fn(bs, land)
     assert callable(step)
     for _ in range(WARM):
         step()
+    if calls:  # the Python calls one warm step makes, the step function itself not counted
+        seen = [0]
+
+        def count(frame: object, event: str, arg: object) -> None:
+            seen[0] += event == "call"
+
+        sys.setprofile(count)
+        step()
+        sys.setprofile(None)
+        print(seen[0] - 1)
+        return
     best = float("inf")
     for _ in range(BLOCKS):
         start = time.perf_counter()
@@ -72,18 +84,28 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", default=".old")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", action="store_true", help="count the Python calls of one step instead")
     parser.add_argument("--child", nargs=3, metavar=("TREE", "BS", "LAND"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child[0], int(args.child[1]), args.child[2] == "1")
+        _child(args.child[0], int(args.child[1]), args.child[2] == "1", args.calls)
         return 0
     here, old = str(Path(__file__).resolve().parents[2]), str(Path(args.old).resolve())
 
     def run(tree: str, bs: int, land: bool) -> str:
-        cmd = [sys.executable, __file__, "--child", tree, str(bs), "1" if land else "0"]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            tree,
+            str(bs),
+            "1" if land else "0",
+            *(["--calls"] if args.calls else []),
+        ]
         return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
 
-    print("bs  landing  round  old exchange µs  new layout stage µs")
+    what = "Python calls" if args.calls else "µs"
+    print(f"bs  landing  round  old exchange {what}  new layout stage {what}")
     for bs in (64, 256):
         for land in (True, False):
             for r in range(args.rounds):
