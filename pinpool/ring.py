@@ -250,11 +250,11 @@ class PinnedRingBuffer:
         nbytes = st.used_bytes
         if nbytes == 0:
             return
-        mem, key = st._mem, ("copy", id(st.dst), nbytes)  # the entry holds ``dst``, so its id stays its own
-        pair = mem.views.get(key) if st.placement is not OWNED else None  # an owned buffer may differ next time
+        mem, key = st._mem, ("copy", st._dst_id, nbytes)  # the entry holds ``dst``, so its id stays its own
+        pair = None if st.owned else mem.views.get(key)  # an owned buffer may differ next time
         if pair is None:
             pair = (st.dst, st.dst[:nbytes], mem.host_raw[:nbytes])
-            if st.placement is not OWNED:
+            if not st.owned:
                 mem.views.put(key, pair)
         self._transport.copy(pair[1], pair[2], st.stream)
         st.copy_issued = True

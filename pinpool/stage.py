@@ -285,8 +285,8 @@ class Stage:
 
     def open_layout(self, layout: Layout, rows: int, live: int, block: BlockSide | None) -> None:
         """Claim ``layout`` at ``rows`` rows, ``live`` of them real, and its landings, in ``block`` if any."""
-        mem, keep = self._mem, self.placement is not OWNED  # an owned buffer may differ next time
-        key = ("layout", id(layout), id(self.dst), rows)  # ids: the entry holds both, so neither is reused
+        mem, keep = self._mem, not self.owned  # an owned buffer may differ next time
+        key = ("layout", id(layout), self._dst_id, rows)  # ids: the entry holds both, so neither is reused
         placed: Placed | None = mem.views.get(key) if keep else None
         if placed is None:
             views = block.views(rows) if block is not None else None
@@ -328,7 +328,7 @@ class Stage:
         if self._placed is None:
             raise StagingValueError(f"'image' needs a stage with a layout (got {image!r})")
         self._placed.put_image(image, self.live, self._mem)
-        self._written, self._padded = self._placed.layout.all_written, True
+        self._written, self._padded = self._placed.all_written, True
 
     def landing(self, name: str) -> Landing:
         """The handle that reads landing field ``name``'s values after a successful close."""
@@ -344,7 +344,7 @@ class Stage:
         """Commit a claim of ``nbytes`` at ``start``: its device view, and the cursor past it."""
         self.used_bytes = end = start + nbytes
         self._cursor = (end + self._mem.alignment - 1) & -self._mem.alignment  # ``align_up`` (a power of two), inline
-        if self.placement is OWNED:  # an owned buffer may be another one next time: made, never kept
+        if self.owned:  # an owned buffer may be another one next time: made, never kept
             return typed_view(self.dst, dtype, start, numel)
         hit = self._mem.views.get((self._dst_id, dtype, start, numel))  # the lookup inline: one call less a put
         return hit[1] if hit is not None else self._mem.device_view(self.dst, dtype, start, numel)
