@@ -40,7 +40,7 @@ class PlatformReport:
         if not self.checked:
             return PoolStateError(
                 "kernels reading or writing the pinned slots in place (pool.stage(zero_copy=True), landings: "
-                "Field.landing, st.land) need PoolSettings(zero_copy=True) (PINPOOL_ZERO_COPY=1), which checks "
+                "Field.landing) need PoolSettings(zero_copy=True) (PINPOOL_ZERO_COPY=1), which checks "
                 "the platform when the pool is created (got zero_copy=False)"
             )
         return PlatformError(

@@ -1,0 +1,178 @@
+"""The speed gate's staging and zero-copy cells as an in-process A/B: old and new pools timed in alternating
+blocks in one process, so that a drift of the machine between runs cancels (a diagnostic, not a test).
+
+    python3 tests/bench/ab_gate_inprocess.py [--old .old] [--rounds 31] [--device cuda] [--json out.json]
+
+The older tree's ``pinpool`` is copied to a temporary folder as ``pinpool_old`` (its imports renamed, nothing
+else touched), so that both trees load in one interpreter. Each cell builds one step per tree on the same
+Python lists, the same code as ``pinpool bench``'s workloads:
+- ``stage`` (the 5-field stage): a copy stage of five sampling-shaped lists;
+- ``zero-copy``: a zero-copy stage of the same lists and ``readers`` kernels (``torch.cat`` of the fields'
+  bytes) launched before close.
+
+Per round, each tree runs one block (synchronised at both ends, ``BLOCK_SECONDS`` long), in the order
+old-new or new-old, alternating, after a warm-up. A round's ratio is new ÷ old of its two blocks; the
+figure is the median of the rounds' ratios, with their spread. The peer row (the pinned pattern for the
+stage, vLLM's UVA ring rebuilt for zero-copy) times the same peer twice, as a control: its ratio shows
+what the method reads when both sides are the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from pinpool.bench.staging import FIELDS, field_lists  # noqa: E402
+from pinpool.bench.zero_copy import uva_stager  # noqa: E402
+
+BLOCK_SECONDS = 0.02
+STAGE_SIZES = (1, 256, 4096)
+ZERO_COPY_SIZES = (1, 64, 256)
+READERS = (1, 4)
+
+
+def load_old(tree: Path, scratch: Path) -> Any:
+    """The older tree's ``pinpool``, copied into ``scratch`` as ``pinpool_old`` with its imports renamed."""
+    target = scratch / "pinpool_old"
+    shutil.copytree(tree / "pinpool", target, ignore=shutil.ignore_patterns("__pycache__", "bench"))
+    for path in target.rglob("*.py"):
+        text = path.read_text()
+        path.write_text(re.sub(r"\b(from|import)(\s+)pinpool\b", r"\1\2pinpool_old", text))
+    sys.path.insert(0, str(scratch))
+    return importlib.import_module("pinpool_old")
+
+
+def pool_step(module: Any, device: torch.device, bs: int, zero_copy: bool, readers: int) -> Callable[[], Any]:
+    """One step on a pool of ``module`` (either tree: the calls are the same in both)."""
+    settings = module.PoolSettings(device=device, num_slots=16, slot_bytes=1 << 18, zero_copy=zero_copy)
+    pool = module.PinnedRingBuffer(settings)
+    lists = field_lists(bs)
+
+    def read(fields: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.cat([f.view(torch.uint8) for f in fields]) for _ in range(readers)]
+
+    def step() -> Any:
+        with pool.stage(zero_copy=zero_copy) as st:
+            fields = [st.put(v, d) for v, d in zip(lists, FIELDS, strict=True)]
+            if zero_copy:
+                return read(fields)
+        return read(fields) if readers else fields
+
+    return step
+
+
+def peer_step(device: torch.device, bs: int, zero_copy: bool, readers: int) -> Callable[[], Any]:
+    lists = field_lists(bs)
+    if zero_copy:
+        stage_uva = uva_stager(bs, device)
+        return lambda: [torch.cat([f.view(torch.uint8) for f in stage_uva(lists)]) for _ in range(readers)]
+    pin = device.type == "cuda"
+    return lambda: [
+        torch.tensor(v, dtype=d, pin_memory=pin).to(device, non_blocking=True)
+        for v, d in zip(lists, FIELDS, strict=True)
+    ]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # sync-ok: benchmark clock boundary
+
+
+def block_us(fn: Callable[[], Any], n: int, device: torch.device) -> float:
+    gc.collect()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def ab(old: Callable[[], Any], new: Callable[[], Any], rounds: int, device: torch.device) -> dict[str, Any]:
+    """Rounds of one block each, old-new then new-old alternating: per-round new ÷ old and each side's µs."""
+    for fn in (old, new, old, new):
+        block_us(fn, 200, device)
+    n = max(20, int(BLOCK_SECONDS / (block_us(new, 200, device) * 1e-6)))
+    ratios, olds, news = [], [], []
+    for r in range(rounds):
+        if r % 2:
+            b, a = block_us(new, n, device), block_us(old, n, device)
+        else:
+            a, b = block_us(old, n, device), block_us(new, n, device)
+        ratios.append(b / a)
+        olds.append(a)
+        news.append(b)
+    q = statistics.quantiles(ratios, n=4)
+    return {
+        "ratio": statistics.median(ratios),
+        "q1": q[0],
+        "q3": q[2],
+        "old_us": statistics.median(olds),
+        "new_us": statistics.median(news),
+        "steps": n,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--old", default=".old")
+    parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a copy past 32 KiB would wake a thread pool (pinpool.bench.kit)
+    import pinpool as new_module
+
+    with tempfile.TemporaryDirectory() as scratch:
+        old_module = load_old(Path(args.old).resolve(), Path(scratch))
+        cells = [("stage", bs, 0) for bs in STAGE_SIZES]
+        cells += [("zero-copy", bs, r) for r in READERS for bs in ZERO_COPY_SIZES]
+        rows = []
+        print(f"device {device}, torch {torch.__version__}, {args.rounds} rounds; new ÷ old per round, median")
+        print(
+            f"{'cell':<10} {'bs':>5} {'readers':>7} {'old µs':>8} {'new µs':>8} {'new÷old':>8} {'q1-q3':>11}  "
+            f"{'peer÷peer':>9}"
+        )
+        for kind, bs, readers in cells:
+            zero_copy = kind == "zero-copy"
+            got = ab(
+                pool_step(old_module, device, bs, zero_copy, readers),
+                pool_step(new_module, device, bs, zero_copy, readers),
+                args.rounds,
+                device,
+            )
+            peer = peer_step(device, bs, zero_copy, readers)
+            control = ab(peer, peer, args.rounds, device)
+            rows.append({"cell": kind, "bs": bs, "readers": readers, **got, "control": control["ratio"]})
+            print(
+                f"{kind:<10} {bs:>5} {readers:>7} {got['old_us']:>8.2f} {got['new_us']:>8.2f} {got['ratio']:>8.3f} "
+                f"{got['q1']:>5.2f}-{got['q3']:<5.2f}  {control['ratio']:>9.3f}",
+                flush=True,
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": str(device), "rounds": args.rounds, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
