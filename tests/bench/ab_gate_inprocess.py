@@ -45,17 +45,23 @@ BLOCK_SECONDS = 0.02
 STAGE_SIZES = (1, 256, 4096)
 ZERO_COPY_SIZES = (1, 64, 256)
 READERS = (1, 4)
+GRAPH_CONFIG = "host-bound"  # the issue's graph-decode figures
 
 
-def load_old(tree: Path, scratch: Path) -> Any:
-    """The older tree's ``pinpool``, copied into ``scratch`` as ``pinpool_old`` with its imports renamed."""
-    target = scratch / "pinpool_old"
-    shutil.copytree(tree / "pinpool", target, ignore=shutil.ignore_patterns("__pycache__", "bench"))
-    for path in target.rglob("*.py"):
-        text = path.read_text()
-        path.write_text(re.sub(r"\b(from|import)(\s+)pinpool\b", r"\1\2pinpool_old", text))
+#: The older tree's top-level packages, each loaded as ``<name>_old`` (its reference engine was top-level then).
+OLD_PACKAGES = ("pinpool", "sampling", "memcache", "engine")
+
+
+def load_old(tree: Path, scratch: Path) -> None:
+    """Copy the older tree's packages into ``scratch`` as ``<name>_old``, every import between them renamed."""
+    names = [name for name in OLD_PACKAGES if (tree / name).is_dir()]
+    pattern = re.compile(r"\b(from|import)(\s+)(" + "|".join(names) + r")\b")
+    for name in names:
+        target = scratch / f"{name}_old"
+        shutil.copytree(tree / name, target, ignore=shutil.ignore_patterns("__pycache__"))
+        for path in target.rglob("*.py"):
+            path.write_text(pattern.sub(r"\1\2\3_old", path.read_text()))
     sys.path.insert(0, str(scratch))
-    return importlib.import_module("pinpool_old")
 
 
 def pool_step(module: Any, device: torch.device, bs: int, zero_copy: bool, readers: int) -> Callable[[], Any]:
@@ -129,12 +135,49 @@ def ab(old: Callable[[], Any], new: Callable[[], Any], rounds: int, device: torc
     }
 
 
+class GraphContext:
+    """What ``graph_bench.measure`` asks of a ``BenchContext`` (the same in both trees)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.is_cuda = device, device.type == "cuda"
+
+    def synchronize(self) -> None:
+        sync(self.device)
+
+
+def graph_ab(
+    old: Any, new: Any, mode: str, running: int, rounds: int, steps: int, device: torch.device
+) -> dict[str, Any]:
+    """Rounds of one ``graph_bench.measure`` per tree (the workload's own figures: host µs with the device idle
+    at each step's start, and tokens/s of the overlapped run), old-new then new-old alternating."""
+    ctx = GraphContext(device)
+    for module in (old, new, old, new):
+        module.measure(ctx, mode, module.CONFIGS[GRAPH_CONFIG], running, 6)  # compiles and captures
+    host, tokens = [], []
+    for r in range(rounds):
+        got = {}
+        for side, module in (("old", old), ("new", new)) if r % 2 == 0 else (("new", new), ("old", old)):
+            got[side] = module.measure(ctx, mode, module.CONFIGS[GRAPH_CONFIG], running, steps)
+        host.append(got["new"]["host_us"] / got["old"]["host_us"])
+        tokens.append(got["old"]["tokens_per_s"] / got["new"]["tokens_per_s"])
+    return {
+        "host": statistics.median(host),
+        "host_range": (min(host), max(host)),
+        "tokens": statistics.median(tokens),
+        "tokens_range": (min(tokens), max(tokens)),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", default=".old")
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--cells", default="stage,zero-copy,graph")
+    parser.add_argument("--graph-rounds", type=int, default=9)
+    parser.add_argument("--graph-steps", type=int, default=48)
+    parser.add_argument("--graph-running", default="1,16,64")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
@@ -144,10 +187,12 @@ def main() -> int:
     import pinpool as new_module
 
     with tempfile.TemporaryDirectory() as scratch:
-        old_module = load_old(Path(args.old).resolve(), Path(scratch))
-        cells = [("stage", bs, 0) for bs in STAGE_SIZES]
-        cells += [("zero-copy", bs, r) for r in READERS for bs in ZERO_COPY_SIZES]
-        rows = []
+        load_old(Path(args.old).resolve(), Path(scratch))
+        old_module = importlib.import_module("pinpool_old")
+        wanted = args.cells.split(",")
+        cells = [("stage", bs, 0) for bs in STAGE_SIZES if "stage" in wanted]
+        cells += [("zero-copy", bs, r) for r in READERS for bs in ZERO_COPY_SIZES if "zero-copy" in wanted]
+        rows: list[dict[str, Any]] = []
         print(f"device {device}, torch {torch.__version__}, {args.rounds} rounds; new ÷ old per round, median")
         print(
             f"{'cell':<10} {'bs':>5} {'readers':>7} {'old µs':>8} {'new µs':>8} {'new÷old':>8} {'q1-q3':>11}  "
@@ -169,6 +214,24 @@ def main() -> int:
                 f"{got['q1']:>5.2f}-{got['q3']:<5.2f}  {control['ratio']:>9.3f}",
                 flush=True,
             )
+        if "graph" in wanted:
+            old_graph = importlib.import_module("engine_old.graph_bench")
+            new_graph = importlib.import_module("pinpool.bench.engine.graph_bench")
+            print(
+                f"graph decode, {GRAPH_CONFIG} model, {args.graph_rounds} rounds of {args.graph_steps} steps: "
+                "new ÷ old host µs, old ÷ new tokens/s, per round, median (min-max); the pinned+graph control "
+                "runs the new tree's pinned mode against the old tree's"
+            )
+            for running in map(int, args.graph_running.split(",")):
+                for mode in ("pool+graph", "pinned+graph"):
+                    g = graph_ab(old_graph, new_graph, mode, running, args.graph_rounds, args.graph_steps, device)
+                    rows.append({"cell": "graph", "mode": mode, "running": running, **g})
+                    print(
+                        f"{mode:<13} running {running:>3}: host µs {g['host']:.3f} ({g['host_range'][0]:.2f}-"
+                        f"{g['host_range'][1]:.2f}), tokens/s {g['tokens']:.3f} ({g['tokens_range'][0]:.2f}-"
+                        f"{g['tokens_range'][1]:.2f})",
+                        flush=True,
+                    )
     if args.json:
         Path(args.json).write_text(json.dumps({"device": str(device), "rounds": args.rounds, "rows": rows}, indent=1))
     return 0
