@@ -64,6 +64,19 @@ def load_old(tree: Path, scratch: Path) -> None:
     sys.path.insert(0, str(scratch))
 
 
+def check_isolated() -> int:
+    """Refuse a run where an older module holds a name from this tree's packages (a missed import would time
+    new code against itself); the count of older modules checked."""
+    ours = set(OLD_PACKAGES)
+    old = {name: m for name, m in sys.modules.items() if name.split(".")[0] in {f"{p}_old" for p in OLD_PACKAGES}}
+    for name, module in old.items():
+        for attr, value in vars(module).items():
+            origin = getattr(value, "__module__", None) or getattr(value, "__name__", None)
+            if isinstance(origin, str) and origin.split(".")[0] in ours and not isinstance(value, str):
+                raise SystemExit(f"{name}.{attr} comes from this tree's {origin}: the older tree is not isolated")
+    return len(old)
+
+
 def pool_step(module: Any, device: torch.device, bs: int, zero_copy: bool, readers: int) -> Callable[[], Any]:
     """One step on a pool of ``module`` (either tree: the calls are the same in both)."""
     settings = module.PoolSettings(device=device, num_slots=16, slot_bytes=1 << 18, zero_copy=zero_copy)
@@ -232,6 +245,7 @@ def main() -> int:
                         f"{g['tokens_range'][1]:.2f})",
                         flush=True,
                     )
+        print(f"isolation: {check_isolated()} modules of the older tree, none holding a name from this one")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": str(device), "rounds": args.rounds, "rows": rows}, indent=1))
     return 0

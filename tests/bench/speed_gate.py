@@ -15,6 +15,8 @@ the issue names. Each tree's runs are averaged; ``--best`` takes each tree's bes
 ``--normalise`` divides each figure by a peer of the same run first, and ``--paired`` takes
 run i of each tree as a pair (run back to back) and the median of the pairs' ratios: on a
 machine whose speed drifts between runs, the normalised paired figure is the steadiest.
+Steadier still: ``tests/bench/ab_gate_inprocess.py`` times the stage, zero-copy and graph-decode
+cells of both trees in one process, in alternating blocks (``PINPOOL_DIAG=ab_gate_inprocess``).
 """
 
 from __future__ import annotations
