@@ -35,6 +35,7 @@ class DeviceBlock:
         self._writer_fence, self._landed = transport.new_fence(), transport.new_fence()
         self._readers: list[tuple[Stream, Fence]] = []
         self._seen_streams: list[Stream] = [alloc_stream]
+        #: Per row count, at most max_rows + 1: a graph loop asks for its size's views every step.
         self._views: dict[int, dict[str, torch.Tensor]] = {}
 
     def views(self, rows: int) -> Mapping[str, torch.Tensor]:

@@ -93,6 +93,7 @@ def write(dst: np.ndarray[Any, Any] | torch.Tensor, src: Any, target: torch.dtyp
 
 
 _STRUCT_CODE = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d"}
+#: A scheduler's ad-hoc lists repeat a few (dtype, length) pairs step after step: each packer is made once.
 PACKERS: BoundedCache[tuple[torch.dtype, int], struct.Struct] = BoundedCache()
 
 
