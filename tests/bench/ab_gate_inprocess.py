@@ -1,20 +1,25 @@
-"""The speed gate's staging and zero-copy cells as an in-process A/B: old and new pools timed in alternating
-blocks in one process, so that a drift of the machine between runs cancels (a diagnostic, not a test).
+"""The speed gate's cells as an in-process A/B: an older tree and this one timed in alternating blocks in one
+process, so that a drift of the machine between runs cancels (a diagnostic, not a test).
 
-    python3 tests/bench/ab_gate_inprocess.py [--old .old] [--rounds 31] [--device cuda] [--json out.json]
+    python3 tests/bench/ab_gate_inprocess.py [--old .old] [--cells stage,zero-copy,graph] [--rounds 32]
+        [--graph-rounds 10] [--graph-steps 48] [--graph-running 1,16,64] [--device cuda] [--json out.json]
 
-The older tree's ``pinpool`` is copied to a temporary folder as ``pinpool_old`` (its imports renamed, nothing
-else touched), so that both trees load in one interpreter. Each cell builds one step per tree on the same
-Python lists, the same code as ``pinpool bench``'s workloads:
-- ``stage`` (the 5-field stage): a copy stage of five sampling-shaped lists;
+The older tree's ``pinpool``, ``sampling``, ``memcache`` and (top-level then) ``engine`` are copied to a
+temporary folder as ``<name>_old``, every import between them renamed and nothing else touched, so that both
+trees load in one interpreter. Cells, each the same code as the gate's ``pinpool bench`` workload:
+- ``stage`` (the 5-field stage): a copy stage of five sampling-shaped lists, bs 1, 256, 4096;
 - ``zero-copy``: a zero-copy stage of the same lists and ``readers`` kernels (``torch.cat`` of the fields'
-  bytes) launched before close.
+  bytes) launched before close, bs 1, 64, 256, 1 and 4 readers;
+- ``graph``: host-bound graph decode, each tree's own ``graph_bench.measure`` (host µs, tokens/s).
 
-Per round, each tree runs one block (synchronised at both ends, ``BLOCK_SECONDS`` long), in the order
-old-new or new-old, alternating, after a warm-up. A round's ratio is new ÷ old of its two blocks; the
-figure is the median of the rounds' ratios, with their spread. The peer row (the pinned pattern for the
-stage, vLLM's UVA ring rebuilt for zero-copy) times the same peer twice, as a control: its ratio shows
-what the method reads when both sides are the same code.
+Per round, each tree runs one block (the same number of steps for both, synchronised at both ends), in the
+order old-new or new-old, alternating, after a warm-up. A round's ratio is new ÷ old of its two blocks
+(old ÷ new for tokens/s); the figure is the median of the rounds' ratios. The control of a stage or
+zero-copy cell times one peer (the pinned pattern, vLLM's UVA ring rebuilt) against itself: what the method
+reads when both sides are one function. The graph cells' near-control is pinned+graph of each tree, whose
+engines differ a little between the trees. Before any timing, one old step of each cell runs traced, and
+the run stops if a frame of it runs a file of this tree's packages (a missed rename would time new code
+against itself); at the end, no older module may hold a name from this tree.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 import gc
 import importlib
 import json
+import os
 import re
 import shutil
 import statistics
@@ -62,6 +68,30 @@ def load_old(tree: Path, scratch: Path) -> None:
         for path in target.rglob("*.py"):
             path.write_text(pattern.sub(r"\1\2\3_old", path.read_text()))
     sys.path.insert(0, str(scratch))
+
+
+#: This tree's package folders: no frame of an older step may run a file under them.
+OURS = tuple(str(ROOT / name) + os.sep for name in ("pinpool", "sampling", "memcache"))
+
+
+def traced_isolated(fn: Callable[[], Any], what: str) -> int:
+    """Run ``fn`` once with every Python call traced; stop the run if one runs a file of this tree's packages
+    (a missed rename, an import inside a function, an entry point): the count of calls traced."""
+    files: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            files.append(frame.f_code.co_filename)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    leaks = sorted({f for f in files if f.startswith(OURS)})
+    if leaks:
+        raise SystemExit(f"{what}: the older tree ran this tree's {leaks[:3]}: it is not isolated")
+    return len(files)
 
 
 def check_isolated() -> int:
@@ -139,6 +169,7 @@ def ab(old: Callable[[], Any], new: Callable[[], Any], rounds: int, device: torc
         news.append(b)
     q = statistics.quantiles(ratios, n=4)
     return {
+        "rounds": ratios,
         "ratio": statistics.median(ratios),
         "q1": q[0],
         "q3": q[2],
@@ -164,6 +195,7 @@ def graph_ab(
     """Rounds of one ``graph_bench.measure`` per tree (the workload's own figures: host µs with the device idle
     at each step's start, and tokens/s of the overlapped run), old-new then new-old alternating."""
     ctx = GraphContext(device)
+    traced_isolated(lambda: old.measure(ctx, mode, old.CONFIGS[GRAPH_CONFIG], running, 6), f"{mode} {running}")
     for module in (old, new, old, new):
         module.measure(ctx, mode, module.CONFIGS[GRAPH_CONFIG], running, 6)  # compiles and captures
     host, tokens = [], []
@@ -174,6 +206,8 @@ def graph_ab(
         host.append(got["new"]["host_us"] / got["old"]["host_us"])
         tokens.append(got["old"]["tokens_per_s"] / got["new"]["tokens_per_s"])
     return {
+        "host_rounds": host,
+        "tokens_rounds": tokens,
         "host": statistics.median(host),
         "host_range": (min(host), max(host)),
         "tokens": statistics.median(tokens),
@@ -184,11 +218,11 @@ def graph_ab(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", default=".old")
-    parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument("--rounds", type=int, default=32)  # even: each order as often
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None)
     parser.add_argument("--cells", default="stage,zero-copy,graph")
-    parser.add_argument("--graph-rounds", type=int, default=9)
+    parser.add_argument("--graph-rounds", type=int, default=10)
     parser.add_argument("--graph-steps", type=int, default=48)
     parser.add_argument("--graph-running", default="1,16,64")
     args = parser.parse_args()
@@ -213,12 +247,9 @@ def main() -> int:
         )
         for kind, bs, readers in cells:
             zero_copy = kind == "zero-copy"
-            got = ab(
-                pool_step(old_module, device, bs, zero_copy, readers),
-                pool_step(new_module, device, bs, zero_copy, readers),
-                args.rounds,
-                device,
-            )
+            old_step = pool_step(old_module, device, bs, zero_copy, readers)
+            traced_isolated(old_step, f"{kind} bs {bs}")
+            got = ab(old_step, pool_step(new_module, device, bs, zero_copy, readers), args.rounds, device)
             peer = peer_step(device, bs, zero_copy, readers)
             control = ab(peer, peer, args.rounds, device)
             rows.append({"cell": kind, "bs": bs, "readers": readers, **got, "control": control["ratio"]})
@@ -245,7 +276,10 @@ def main() -> int:
                         f"{g['tokens_range'][1]:.2f})",
                         flush=True,
                     )
-        print(f"isolation: {check_isolated()} modules of the older tree, none holding a name from this one")
+        print(
+            f"isolation: every cell's traced old step ran no file of this tree; {check_isolated()} modules of the "
+            "older tree, none holding a name from this one"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"device": str(device), "rounds": args.rounds, "rows": rows}, indent=1))
     return 0
