@@ -6,7 +6,7 @@ process, so that a drift of the machine between runs cancels (a diagnostic, not 
 
 The older tree's ``pinpool``, ``sampling``, ``memcache`` and (top-level then) ``engine`` are copied to a
 temporary folder as ``<name>_old``, every import between them renamed and nothing else touched, so that both
-trees load in one interpreter. Cells, each the same code as the gate's ``pinpool bench`` workload:
+trees load in one interpreter. Cells, each built by that tree's own ``make_step`` of the gate's workload:
 - ``stage`` (the 5-field stage): a copy stage of five sampling-shaped lists, bs 1, 256, 4096;
 - ``zero-copy``: a zero-copy stage of the same lists and ``readers`` kernels (``torch.cat`` of the fields'
   bytes) launched before close, bs 1, 64, 256, 1 and 4 readers;
@@ -44,7 +44,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from pinpool.bench.staging import FIELDS, field_lists  # noqa: E402
+from pinpool.bench import staging  # noqa: E402
+from pinpool.bench.staging import field_lists  # noqa: E402
 from pinpool.bench.zero_copy import uva_stager  # noqa: E402
 
 BLOCK_SECONDS = 0.02
@@ -107,35 +108,24 @@ def check_isolated() -> int:
     return len(old)
 
 
-def pool_step(module: Any, device: torch.device, bs: int, zero_copy: bool, readers: int) -> Callable[[], Any]:
-    """One step on a pool of ``module`` (either tree: the calls are the same in both)."""
+def pool_step(tree: str, device: torch.device, bs: int, zero_copy: bool, readers: int) -> Callable[[], Any]:
+    """One step of tree ``tree`` (``pinpool`` or ``pinpool_old``): the gate workload's own ``make_step``."""
+    module = importlib.import_module(tree)
     settings = module.PoolSettings(device=device, num_slots=16, slot_bytes=1 << 18, zero_copy=zero_copy)
     pool = module.PinnedRingBuffer(settings)
-    lists = field_lists(bs)
-
-    def read(fields: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [torch.cat([f.view(torch.uint8) for f in fields]) for _ in range(readers)]
-
-    def step() -> Any:
-        with pool.stage(zero_copy=zero_copy) as st:
-            fields = [st.put(v, d) for v, d in zip(lists, FIELDS, strict=True)]
-            if zero_copy:
-                return read(fields)
-        return read(fields) if readers else fields
-
-    return step
+    if readers == 0:
+        return importlib.import_module(f"{tree}.bench.staging").make_step("pool", bs, device, pool)  # type: ignore[no-any-return]
+    mode = "zero-copy" if zero_copy else "copy"
+    bench = importlib.import_module(f"{tree}.bench.zero_copy")
+    return bench.make_step(mode, bs, readers, device, pool, field_lists(bs))  # type: ignore[no-any-return]
 
 
 def peer_step(device: torch.device, bs: int, zero_copy: bool, readers: int) -> Callable[[], Any]:
-    lists = field_lists(bs)
-    if zero_copy:
-        stage_uva = uva_stager(bs, device)
-        return lambda: [torch.cat([f.view(torch.uint8) for f in stage_uva(lists)]) for _ in range(readers)]
-    pin = device.type == "cuda"
-    return lambda: [
-        torch.tensor(v, dtype=d, pin_memory=pin).to(device, non_blocking=True)
-        for v, d in zip(lists, FIELDS, strict=True)
-    ]
+    """The control's one function: the pinned pattern (stage cells) or vLLM's UVA ring rebuilt (zero-copy)."""
+    if not zero_copy:
+        return staging.make_step("pinned", bs, device, None)
+    stage_uva, lists = uva_stager(bs, device), field_lists(bs)
+    return lambda: [torch.cat([f.view(torch.uint8) for f in stage_uva(lists)]) for _ in range(readers)]
 
 
 def sync(device: torch.device) -> None:
@@ -231,11 +221,8 @@ def main() -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cpu":
         torch.set_num_threads(1)  # a copy past 32 KiB would wake a thread pool (pinpool.bench.kit)
-    import pinpool as new_module
-
     with tempfile.TemporaryDirectory() as scratch:
         load_old(Path(args.old).resolve(), Path(scratch))
-        old_module = importlib.import_module("pinpool_old")
         wanted = args.cells.split(",")
         cells = [("stage", bs, 0) for bs in STAGE_SIZES if "stage" in wanted]
         cells += [("zero-copy", bs, r) for r in READERS for bs in ZERO_COPY_SIZES if "zero-copy" in wanted]
@@ -247,9 +234,9 @@ def main() -> int:
         )
         for kind, bs, readers in cells:
             zero_copy = kind == "zero-copy"
-            old_step = pool_step(old_module, device, bs, zero_copy, readers)
+            old_step = pool_step("pinpool_old", device, bs, zero_copy, readers)
             traced_isolated(old_step, f"{kind} bs {bs}")
-            got = ab(old_step, pool_step(new_module, device, bs, zero_copy, readers), args.rounds, device)
+            got = ab(old_step, pool_step("pinpool", device, bs, zero_copy, readers), args.rounds, device)
             peer = peer_step(device, bs, zero_copy, readers)
             control = ab(peer, peer, args.rounds, device)
             rows.append({"cell": kind, "bs": bs, "readers": readers, **got, "control": control["ratio"]})
